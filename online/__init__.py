@@ -1,0 +1,1 @@
+"""livedraft control plane: traffic log, collector, caches, trainer, registry, daemon, CLI."""

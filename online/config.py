@@ -1,0 +1,175 @@
+"""The one place configuration is read: a TOML file plus LIVEDRAFT_* environment variables.
+
+Sections are typed dataclasses with defaults. An environment variable
+`LIVEDRAFT_<SECTION>__<FIELD>` (double underscore) overrides `[section] field`
+in the file; `LIVEDRAFT_CONFIG` names the file; `LIVEDRAFT_DATA_DIR` sets
+`data_dir`. Unknown keys are errors, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "LIVEDRAFT_"
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message says which key and what is expected."""
+
+
+@dataclass
+class StoreConfig:
+    # Empty means sqlite:///<data_dir>/livedraft.db
+    url: str = ""
+
+
+@dataclass
+class StreamConfig:
+    kind: str = "sql"  # "sql" (embedded, the default), "kafka" or "memory"
+    topic: str = "livedraft.traces"
+    dead_letter_topic: str = "livedraft.dead-letters"
+    bootstrap_servers: str = "127.0.0.1:9092"
+    partitions: int = 4
+    consumer_group: str = "livedraft-collector"
+    queue_size: int = 10000  # bounded emit queue in the runtime; overflow is dropped and counted
+    linger_ms: int = 20
+    batch_size: int = 262144
+    batch_max_records: int = 500
+
+
+@dataclass
+class Config:
+    data_dir: str = "~/.livedraft"
+    store: StoreConfig = field(default_factory=StoreConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    def store_url(self) -> str:
+        return self.store.url or f"sqlite:///{self.data_path / 'livedraft.db'}"
+
+
+def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Config:
+    """File (explicit path, else $LIVEDRAFT_CONFIG, else none) then environment overrides."""
+    env = dict(os.environ) if env is None else env
+    path = path or env.get(ENV_PREFIX + "CONFIG")
+    raw: dict[str, Any] = {}
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+    cfg = _build(Config, raw, "")
+    _apply_env(cfg, env)
+    return cfg
+
+
+def as_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The effective config as TOML (what `livedraft config show` prints)."""
+    top, sections = [], []
+    for k, v in as_dict(cfg).items():
+        if isinstance(v, dict):
+            sections.append(f"\n[{k}]")
+            sections += [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+        else:
+            top.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(top + sections) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in [{where or 'top level'}]; known: {sorted(names)}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{name}] must be a table")
+            kwargs[name] = _build(hint, value, name)
+        else:
+            kwargs[name] = _coerce(value, hint, f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    base = _base_type(hint)
+    if isinstance(value, str) and base is not str:
+        return _parse_str(value, base, key)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is not None and not isinstance(value, base):
+        raise ConfigError(f"config key {key} must be {base.__name__}, got {value!r}")
+    return value
+
+
+def _base_type(hint: Any) -> type | None:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args:  # Optional[X] / X | None
+        return _base_type(args[0])
+    return typing.get_origin(hint) or (hint if isinstance(hint, type) else None)
+
+
+def _parse_str(value: str, base: type | None, key: str) -> Any:
+    try:
+        if base is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base is int:
+            return int(value)
+        if base is float:
+            return float(value)
+        if base is list:
+            return [v.strip() for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"config key {key} must be {base.__name__}, got {value!r}") from None
+    return value
+
+
+def _apply_env(cfg: Config, env: dict[str, str]) -> None:
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        if name.startswith(ENV_PREFIX + "TEST_"):
+            continue  # test-suite knobs, not config
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        target: Any = cfg
+        for part in path[:-1]:
+            if not hasattr(target, part) or not dataclasses.is_dataclass(getattr(target, part)):
+                raise ConfigError(f"environment variable {name}: no config section {part!r}")
+            target = getattr(target, part)
+        leaf = path[-1]
+        if not dataclasses.is_dataclass(target) or leaf not in {f.name for f in dataclasses.fields(target)}:
+            raise ConfigError(f"environment variable {name}: no config key {'.'.join(path)}")
+        hint = typing.get_type_hints(type(target))[leaf]
+        setattr(target, leaf, _coerce(value, hint, ".".join(path)))
