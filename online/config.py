@@ -44,8 +44,14 @@ class StreamConfig:
 
 
 @dataclass
+class ModelsConfig:
+    cache_dir: str = "~/.cache/livedraft/models"  # GGUF files are converted to safetensors here
+
+
+@dataclass
 class Config:
     data_dir: str = "~/.livedraft"
+    models: ModelsConfig = field(default_factory=ModelsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
 

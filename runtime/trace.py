@@ -52,6 +52,7 @@ class RequestTrace:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    max_new_tokens: int = 0  # as requested; replay needs it to cap drafts exactly as served
     finish_reason: str = "length"
     tag: str | None = None
     timings: Timings = field(default_factory=Timings)

@@ -1,0 +1,47 @@
+"""`livedraft` console script: one subcommand per module in online/commands/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+# Each module defines `register(subparsers)`, which adds its parser(s) with
+# `set_defaults(func=...)`; `func(args) -> int` is the exit status.
+COMMANDS = ["generate", "drafter", "config"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="livedraft", description="Speculative decoding that learns from live traffic.")
+    parser.add_argument("--config", help="TOML config file (default: $LIVEDRAFT_CONFIG)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"online.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from online.config import ConfigError
+    from runtime.errors import LivedraftError
+
+    try:
+        return int(args.func(args) or 0)
+    except (LivedraftError, ConfigError) as e:
+        print(f"livedraft {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""One factory: DrafterConfig -> Drafter, through a registry of builders by kind."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.drafters.base import Drafter
+from runtime.drafters.lookup import PromptLookupDrafter
+from runtime.drafters.model import ModelDrafter
+from runtime.drafters.none import NoDrafter
+from runtime.errors import ModelLoadError
+from runtime.loader import LoadedModel, load_model, read_drafter_meta
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "model"  # a key of BUILDERS
+    path: str | None = None  # model drafters: directory, GGUF file or packaged name
+    version: str | None = None  # recorded in traces; defaults to the kind or directory name
+    max_ngram: int = 3  # lookup
+    min_ngram: int = 1  # lookup
+
+
+Builder = Callable[[DrafterConfig, LoadedModel, "str | os.PathLike | None"], Drafter]
+
+
+def _model(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None) -> Drafter:
+    if not cfg.path:
+        raise ModelLoadError("a model drafter needs a path: --drafter DIR (derive one with `livedraft drafter init`)")
+    return load_model_drafter(cfg.path, target, cache_dir=cache_dir, version=cfg.version)
+
+
+def _lookup(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None) -> Drafter:
+    return PromptLookupDrafter(cfg.max_ngram, cfg.min_ngram, version=cfg.version or "lookup")
+
+
+def _none(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None) -> Drafter:
+    return NoDrafter()
+
+
+BUILDERS: dict[str, Builder] = {"model": _model, "lookup": _lookup, "none": _none}
+
+
+def build_drafter(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None = None) -> Drafter:
+    try:
+        builder = BUILDERS[cfg.kind]
+    except KeyError:
+        raise ModelLoadError(f"unknown drafter kind {cfg.kind!r}: choose one of {sorted(BUILDERS)}") from None
+    return builder(cfg, target, cache_dir)
+
+
+def load_model_drafter(
+    spec: str | os.PathLike,
+    target: LoadedModel,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    version: str | None = None,
+) -> ModelDrafter:
+    """Loads a drafter model and checks it speaks the target's vocabulary."""
+    d = load_model(spec, cache_dir=cache_dir, dtype=target.model.dtype, device=str(target.model.device))
+    check_same_vocab(d, target)
+    meta = read_drafter_meta(d.path)
+    return ModelDrafter(d.model, target.vocab_size, kept_ids=meta.get("kept_ids"), version=version or meta.get("version") or d.model_id)
+
+
+def check_same_vocab(drafter: LoadedModel, target: LoadedModel) -> None:
+    rows = drafter.model.get_input_embeddings().num_embeddings
+    same = rows >= target.vocab_size
+    if same and drafter.tokenizer is not None and target.tokenizer is not None:
+        same = drafter.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    if not same:
+        raise ModelLoadError(
+            f"drafter vocab {drafter.vocab_size} ({drafter.path}) does not match target vocab {target.vocab_size} "
+            f"({target.path}): a model drafter must share the target's tokenizer; derive one with "
+            "`livedraft drafter init --from-target`, or use a model-free drafter (--drafter-kind lookup)"
+        )
