@@ -23,27 +23,30 @@ class DrafterConfig:
     min_ngram: int = 1  # lookup
 
 
-Builder = Callable[[DrafterConfig, LoadedModel, "str | os.PathLike | None"], Drafter]
+Builder = Callable[[DrafterConfig, "LoadedModel | None", "str | os.PathLike | None"], Drafter]
 
 
-def _model(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None) -> Drafter:
+def _model(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
     if not cfg.path:
         raise ModelLoadError("a model drafter needs a path: --drafter DIR (derive one with `livedraft drafter init`)")
     return load_model_drafter(cfg.path, target, cache_dir=cache_dir, version=cfg.version)
 
 
-def _lookup(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None) -> Drafter:
+def _lookup(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
     return PromptLookupDrafter(cfg.max_ngram, cfg.min_ngram, version=cfg.version or "lookup")
 
 
-def _none(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None) -> Drafter:
+def _none(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
     return NoDrafter()
 
 
 BUILDERS: dict[str, Builder] = {"model": _model, "lookup": _lookup, "none": _none}
 
 
-def build_drafter(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.PathLike | None = None) -> Drafter:
+def build_drafter(
+    cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None = None
+) -> Drafter:
+    """`target` None (replay without a target) skips the vocabulary check."""
     try:
         builder = BUILDERS[cfg.kind]
     except KeyError:
@@ -53,16 +56,20 @@ def build_drafter(cfg: DrafterConfig, target: LoadedModel, cache_dir: str | os.P
 
 def load_model_drafter(
     spec: str | os.PathLike,
-    target: LoadedModel,
+    target: LoadedModel | None,
     *,
     cache_dir: str | os.PathLike | None = None,
     version: str | None = None,
 ) -> ModelDrafter:
     """Loads a drafter model and checks it speaks the target's vocabulary."""
-    d = load_model(spec, cache_dir=cache_dir, dtype=target.model.dtype, device=str(target.model.device))
-    check_same_vocab(d, target)
+    if target is None:
+        d = load_model(spec, cache_dir=cache_dir)
+    else:
+        d = load_model(spec, cache_dir=cache_dir, dtype=target.model.dtype, device=str(target.model.device))
+        check_same_vocab(d, target)
     meta = read_drafter_meta(d.path)
-    return ModelDrafter(d.model, target.vocab_size, kept_ids=meta.get("kept_ids"), version=version or meta.get("version") or d.model_id)
+    vocab = target.vocab_size if target is not None else d.vocab_size
+    return ModelDrafter(d.model, vocab, kept_ids=meta.get("kept_ids"), version=version or meta.get("version") or d.model_id)
 
 
 def check_same_vocab(drafter: LoadedModel, target: LoadedModel) -> None:

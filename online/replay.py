@@ -1,0 +1,110 @@
+"""Replay: score drafters on logged traffic.
+
+Default mode is teacher-forced: the real engine loop runs against a
+ReplayTarget that reads each greedy trace's logged output, so the drafter's
+mean acceptance length, acceptance rate and per-position acceptance are
+exactly what serving that traffic with it would have measured — without the
+target. Sampled (temperature > 0) traces are skipped in this mode; pass a
+target to re-execute them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.adaptive import DraftLengthConfig
+from runtime.drafters.base import Drafter
+from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.replay_target import ReplayTarget
+from runtime.stats import RequestStats
+from runtime.trace import RequestTrace
+
+
+@dataclass
+class SourceStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class ReplayReport:
+    drafter: str
+    stats: RequestStats
+    per_tag: dict[str, RequestStats] = field(default_factory=dict)
+    per_source: dict[str, SourceStats] = field(default_factory=dict)
+    skipped_sampled: int = 0
+    cost_ratio: float = 0.0
+    outputs_match: bool = True  # every replayed output equals the logged one (greedy sanity check)
+
+    @property
+    def est_speedup(self) -> float:
+        """Tokens per step over the step's cost in target forwards: draft tokens cost `cost_ratio` each.
+        Assumes verifying k+1 tokens costs one target forward (memory-bound decoding)."""
+        s = self.stats
+        if not s.steps:
+            return 1.0
+        return s.mean_acceptance_length / (1.0 + self.cost_ratio * s.drafted / s.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "drafter": self.drafter,
+            **self.stats.to_dict(),
+            "est_speedup": round(self.est_speedup, 4),
+            "cost_ratio": self.cost_ratio,
+            "skipped_sampled": self.skipped_sampled,
+            "per_tag": {t: s.to_dict() for t, s in self.per_tag.items()},
+            "per_source": {k: {"steps": v.steps, "drafted": v.drafted, "accepted": v.accepted,
+                               "acceptance_rate": round(v.acceptance_rate, 4)} for k, v in self.per_source.items()},
+        }
+
+
+def replay_traces(
+    traces: Iterable[RequestTrace],
+    drafter: Drafter,
+    *,
+    length: DraftLengthConfig | None = None,
+    vocab_size: int | None = None,
+    cost_ratio: float = 0.1,
+) -> ReplayReport:
+    """Teacher-forced replay of greedy traces. `vocab_size` defaults to the drafter's
+    target vocab (model drafters) or the largest logged token id + 1."""
+    traces = list(traces)
+    greedy = [t for t in traces if t.greedy]
+    vocab = vocab_size or getattr(drafter, "target_vocab_size", None) or _max_id(greedy) + 1
+    target = ReplayTarget(vocab)
+    engine = SpeculativeEngine(target, drafter, eos_ids=set(), max_context=10**9,
+                               config=EngineConfig(draft=length or DraftLengthConfig(), topk_logprobs=0))
+    report = ReplayReport(str(getattr(drafter, "version", "?")), RequestStats(requests=0),
+                          skipped_sampled=len(traces) - len(greedy), cost_ratio=cost_ratio)
+    for t in greedy:
+        if not t.output_ids or not t.prompt_ids:
+            continue
+        target.load(t)
+        # A request that stopped did so on its last token, which appears nowhere earlier.
+        engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
+        res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id)
+        report.outputs_match &= res.output_ids == t.output_ids
+        report.stats = report.stats.merge(res.stats)
+        tag = t.tag or "(none)"
+        report.per_tag[tag] = report.per_tag.get(tag, RequestStats(requests=0)).merge(res.stats)
+        for s in res.trace.steps:
+            src = report.per_source.setdefault(s.source, SourceStats())
+            src.steps, src.drafted, src.accepted = src.steps + 1, src.drafted + len(s.drafted), src.accepted + s.accepted
+    return report
+
+
+def _max_new(t: RequestTrace) -> int:
+    if t.max_new_tokens >= len(t.output_ids):
+        return t.max_new_tokens
+    return len(t.output_ids)  # old traces without max_new_tokens: the logged length
+
+
+def _max_id(traces: list[RequestTrace]) -> int:
+    return max((max(t.prompt_ids + t.output_ids) for t in traces if t.prompt_ids), default=0)
