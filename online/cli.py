@@ -10,7 +10,7 @@ import sys
 
 # Each module defines `register(subparsers)`, which adds its parser(s) with
 # `set_defaults(func=...)`; `func(args) -> int` is the exit status.
-COMMANDS = ["generate", "drafter", "config"]
+COMMANDS = ["generate", "drafter", "config", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,11 @@ from runtime.stats import RequestStats
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for a prompts file")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
     p.add_argument("--drafter", help="drafter model (for --drafter-kind model)")
     p.add_argument("--drafter-kind", default="model", help="model | lookup | none (default: model)")
@@ -32,7 +37,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k-max", type=int, default=8, help="upper bound on k in --adaptive mode")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt and a final summary line")
-    p.set_defaults(func=run)
 
 
 def read_prompts(path: str) -> list[str]:

