@@ -1,0 +1,1 @@
+"""Online distillation of model drafters: losses, the training loop, one training round."""
