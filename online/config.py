@@ -49,11 +49,51 @@ class ModelsConfig:
 
 
 @dataclass
+class TrainerConfig:
+    """Online distillation (online/trainer) and its promotion gate."""
+
+    loss: str = "fkl"  # soft-label divergence: fkl, rkl, jsd, tvd (online/trainer/losses.py)
+    lr: float = 1e-3
+    steps: int = 60  # optimizer steps; training stops at steps or max_seconds, whichever first
+    max_seconds: float = 0.0  # wall-clock budget; 0 = none
+    batch_size: int = 8  # traces per step (padded batch)
+    ce_weight: float = 0.5  # cross-entropy on the target's tokens at every output position
+    jsd_beta: float = 0.5  # only for loss = "jsd"
+    seed: int = 0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    lora: bool = False  # train a LoRA adapter (merged before saving) instead of all weights
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    promote_margin: float = 0.05  # candidate must beat the champion's held-out mean acceptance length by this
+    replay_k: int = 4  # draft length the replay gate scores with (match serving)
+    holdout_fraction: float = 0.2  # newest share of a window held out for the gate
+
+
+@dataclass
+class RegistryConfig:
+    """MLflow tracking + model registry (online/registry.py)."""
+
+    tracking_uri: str = ""  # empty: sqlite:///<data_dir>/mlflow.db (never the project's own DB)
+    registry_uri: str = ""  # empty: the tracking URI
+    artifact_root: str = ""  # empty: <data_dir>/mlartifacts
+    experiment: str = "livedraft-trainer"
+    model_name: str = "livedraft-drafter"
+    cache_dir: str = ""  # empty: <data_dir>/drafters (downloaded registry versions)
+    ui_host: str = "127.0.0.1"
+    ui_port: int = 5000
+
+
+@dataclass
 class Config:
     data_dir: str = "~/.livedraft"
     models: ModelsConfig = field(default_factory=ModelsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
 
     @property
     def data_path(self) -> Path:
