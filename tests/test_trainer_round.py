@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from online.config import TrainerConfig
+from online.config import Config, TrainerConfig
+from online.registry import DrafterRegistry
 from online.trainer.distill import NotEnoughData
 from online.trainer.round import ListSource, ReplayMetrics, decide, run_round, split_window
 from runtime.drafters.factory import load_model_drafter
@@ -39,11 +40,16 @@ def story_traffic(stories):
     return sink.events
 
 
-def test_round_promotes_a_distilled_drafter(stories, stories_drafter_dir, story_traffic, tmp_path):
+@pytest.fixture(scope="module")
+def promoted_round(stories, stories_drafter_dir, story_traffic, tmp_path_factory):
     window = ListSource(story_traffic, holdout_fraction=0.2).window()
     cfg = TrainerConfig(promote_margin=MARGIN)
-    res = run_round(window, stories_drafter_dir, tmp_path, cfg, champion_version="1", target=stories)
+    return run_round(window, stories_drafter_dir, tmp_path_factory.mktemp("round"), cfg, champion_version="1",
+                     target=stories)
 
+
+def test_round_promotes_a_distilled_drafter(stories, promoted_round):
+    res, cfg = promoted_round, promoted_round.config
     assert res.promoted, res.reason
     assert res.candidate.mean_acceptance_length >= res.champion.mean_acceptance_length + MARGIN
     assert res.reason.startswith("promoted: ") and f"{res.candidate.mean_acceptance_length:.3f}" in res.reason
@@ -63,6 +69,18 @@ def test_round_refuses_a_candidate_that_does_not_clear_the_margin(stories, stori
     assert not res.promoted
     assert res.reason.startswith("not promoted: ") and "+ margin 0.050" in res.reason
     assert res.candidate_dir.is_dir()  # kept: the registry still records the losing candidate
+
+
+def test_a_real_round_goes_into_the_registry(stories, stories_drafter_dir, promoted_round, tmp_path):
+    reg = DrafterRegistry.from_config(Config(data_dir=str(tmp_path)))
+    assert reg.bootstrap(stories_drafter_dir, target_model=stories.model_id) == 1
+    logged = reg.log_round(promoted_round, target_model=stories.model_id)
+    assert (logged.version, logged.promoted) == (2, True)
+    champ = reg.champion()
+    assert load_model_drafter(champ.path, stories).version == promoted_round.candidate_version
+    run = reg.client.get_run(logged.run_id)
+    assert len(reg.client.get_metric_history(logged.run_id, "train_loss")) == promoted_round.training.steps
+    assert run.data.metrics["candidate_mean_acceptance_length"] == promoted_round.candidate.mean_acceptance_length
 
 
 def metrics(mal: float) -> ReplayMetrics:

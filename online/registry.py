@@ -1,0 +1,438 @@
+"""MLflow adapter: each training round is a run; each candidate a version of one registered model.
+
+Default stores live in the data directory: tracking + registry in
+`sqlite:///<data_dir>/mlflow.db`, artifacts under `<data_dir>/mlartifacts` —
+never the project's own database. Aliases carry the serving decision:
+`champion` is what the runtime loads (`models:/<name>@champion`), `previous`
+is where a rollback returns to. Versions are tagged with their parent version,
+data window, target model, loss and eval metrics.
+
+mlflow is imported lazily (inside this module's functions), so `import online`
+stays light; every call here blocks on the tracking store (a local SQLite
+write, or an HTTP request to a tracking server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from online.config import Config
+from runtime.errors import LivedraftError
+from runtime.loader import read_drafter_meta
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from online.trainer.round import RoundResult
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+PREVIOUS = "previous"
+DRAFTER_ARTIFACTS = "drafter"  # artifact sub-path holding the drafter directory
+
+
+class RegistryError(LivedraftError):
+    """The registry cannot do what was asked (no champion yet, bad settings); the message says what to do."""
+
+
+@dataclass
+class RegistrySettings:
+    tracking_uri: str
+    registry_uri: str
+    artifact_root: str  # a URI (file:///... for the local default)
+    experiment: str
+    model_name: str
+    cache_dir: Path  # downloaded versions: <cache_dir>/<model_name>/v<N>
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RegistrySettings:
+        """Resolves the empty defaults of [registry] against the data directory."""
+        r, data = cfg.registry, cfg.data_path
+        tracking = r.tracking_uri or f"sqlite:///{data / 'mlflow.db'}"
+        if tracking == cfg.store_url():
+            raise RegistryError(f"[registry] tracking_uri {tracking} is the project's own database: MLflow keeps "
+                                "its own schema and migrations; point it at another database (or leave it empty)")
+        if "'" in r.model_name:
+            raise RegistryError(f"[registry] model_name {r.model_name!r} must not contain a quote")
+        return cls(tracking, r.registry_uri or tracking, _as_uri(r.artifact_root or str(data / "mlartifacts")),
+                   r.experiment, r.model_name, Path(r.cache_dir or data / "drafters").expanduser())
+
+
+@dataclass
+class LocalDrafter:
+    version: int
+    path: Path  # a drafter directory: load it with runtime.drafters.factory.load_model_drafter
+
+
+@dataclass
+class LoggedRound:
+    run_id: str
+    version: int
+    promoted: bool
+
+
+@dataclass
+class VersionInfo:
+    """One registered drafter version (what GET /v1/drafter lists)."""
+
+    version: int
+    aliases: list[str]
+    tags: dict[str, str]
+    run_id: str | None
+    source: str
+    created_at: float  # unix seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class DrafterRegistry:
+    """The drafter registry over one MLflow tracking + registry store. Not thread-safe for writes:
+    one trainer writes; any number of readers (`champion_version`, `history`) may poll."""
+
+    def __init__(self, settings: RegistrySettings) -> None:
+        self.settings = settings
+        self.name = settings.model_name
+        self._client: MlflowClient | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DrafterRegistry:
+        return cls(RegistrySettings.from_config(cfg))
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+            from mlflow import MlflowClient
+
+            for uri in {self.settings.tracking_uri, self.settings.registry_uri}:
+                _ensure_sqlite_dir(uri)
+            self._client = MlflowClient(tracking_uri=self.settings.tracking_uri,
+                                        registry_uri=self.settings.registry_uri)
+        return self._client
+
+    def bootstrap(self, initial_drafter_dir: str | os.PathLike, *, target_model: str = "") -> int:
+        """Registers `initial_drafter_dir` as version 1 and champion unless the model already has a
+        champion; returns the champion version either way."""
+        current = self.champion_version()
+        if current is not None:
+            return current
+        src = Path(initial_drafter_dir)
+        if not (src / "config.json").is_file():
+            raise RegistryError(f"{src} is not a drafter directory (no config.json): derive one with "
+                                "`livedraft drafter init`")
+        meta = read_drafter_meta(src)
+        run = self._start_run("bootstrap", {"livedraft.kind": "bootstrap"})
+        try:
+            self.client.log_artifacts(run.info.run_id, str(src), DRAFTER_ARTIFACTS)
+            version = self._register(run, {"kind": "bootstrap", "source_dir": str(src.resolve()),
+                                           "drafter_version": str(meta.get("version", src.name)),
+                                           "target_model": target_model})
+        except BaseException:
+            self.client.set_terminated(run.info.run_id, "FAILED")
+            raise
+        self.client.set_terminated(run.info.run_id)
+        self.promote(version)
+        log.info("registry: bootstrapped %s version %d from %s", self.name, version, src)
+        return version
+
+    def champion_version(self) -> int | None:
+        """The version under alias `champion`, or None. Cheap: one store read, no download."""
+        return self._alias(CHAMPION)
+
+    def champion(self) -> LocalDrafter:
+        """The champion, downloaded into the local cache. Raises RegistryError when there is none."""
+        version = self.champion_version()
+        if version is None:
+            raise RegistryError(f"registered model {self.name!r} has no {CHAMPION!r} alias: bootstrap the registry "
+                                "with an initial drafter first (DrafterRegistry.bootstrap)")
+        return LocalDrafter(version, self.download(version))
+
+    def download(self, version: int) -> Path:
+        """The drafter directory of `version`, from the cache or downloaded (atomically) into it."""
+        dst = self.settings.cache_dir / self.name / f"v{version}"
+        if (dst / "config.json").is_file():
+            return dst
+        import mlflow.artifacts
+
+        uri = self.client.get_model_version_download_uri(self.name, str(version))
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=dst.parent))
+        try:
+            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp),
+                                                        tracking_uri=self.settings.tracking_uri)
+            os.replace(local, dst)
+        except OSError:
+            if not (dst / "config.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process may have filled dst first
+        return dst
+
+    def log_round(self, result: RoundResult, *, target_model: str = "", promote: bool | None = None) -> LoggedRound:
+        """Logs `result` as a run, registers its candidate as a new version, and promotes it when
+        `promote` (default: the gate's `result.promoted`). Returns the run id and version."""
+        promote = result.promoted if promote is None else promote
+        run = self._start_run(f"round-{result.candidate_version}",
+                              {"livedraft.kind": "round", "promoted": str(result.promoted), "reason": result.reason})
+        try:
+            run_id = run.info.run_id
+            self._log_round_data(run_id, result, target_model)
+            version = self._register(run, _version_tags(result, target_model))
+        except BaseException:
+            self.client.set_terminated(run.info.run_id, "FAILED")
+            raise
+        self.client.set_terminated(run_id)
+        if promote:
+            self.promote(version)
+        log.info("registry: round %s logged as run %s, version %d (%s)", result.candidate_version, run_id,
+                 version, "champion" if promote else "not promoted")
+        return LoggedRound(run_id, version, promote)
+
+    def promote(self, version: int) -> None:
+        """Moves `champion` to `version`; the old champion becomes `previous`. Raises RegistryError
+        for an unknown version."""
+        from mlflow.exceptions import MlflowException
+
+        current = self.champion_version()
+        if current == version:
+            return
+        try:
+            self.client.get_model_version(self.name, str(version))
+        except MlflowException as e:
+            raise RegistryError(f"{self.name} has no version {version}: pick one from history()") from e
+        if current is not None:
+            self.client.set_registered_model_alias(self.name, PREVIOUS, str(current))
+        self.client.set_registered_model_alias(self.name, CHAMPION, str(version))
+        self.client.set_model_version_tag(self.name, str(version), "promoted_at", _now())
+        log.info("registry: %s version %d is champion (previous %s)", self.name, version, current)
+
+    def tag_rolled_back(self, version: int, numbers: dict[str, float]) -> int | None:
+        """Tags `version` as rolled back (with `numbers`, e.g. acceptance before/after the swap) and, if it
+        is the champion, moves `champion` back to `previous`. Returns the champion after the call, or
+        None when there is none; a champion without a `previous` stays in place (logged)."""
+        v = str(version)
+        self.client.set_model_version_tag(self.name, v, "rolled_back", "true")
+        self.client.set_model_version_tag(self.name, v, "rolled_back_at", _now())
+        for key, value in numbers.items():
+            self.client.set_model_version_tag(self.name, v, f"rollback.{key}", str(value))
+        champion, previous = self.champion_version(), self._alias(PREVIOUS)
+        if champion != version:
+            return champion
+        if previous is None:
+            log.warning("registry: version %d rolled back but has no %r version to return to; it stays champion",
+                        version, PREVIOUS)
+            return champion
+        self.client.set_registered_model_alias(self.name, CHAMPION, str(previous))
+        self.client.delete_registered_model_alias(self.name, PREVIOUS)
+        log.warning("registry: rolled %s back from version %d to %d", self.name, version, previous)
+        return previous
+
+    def history(self) -> list[VersionInfo]:
+        """All versions, newest first, with their aliases and tags; [] before bootstrap."""
+        aliases = self._aliases()
+        if aliases is None:
+            return []
+        by_version: dict[int, list[str]] = {}
+        for alias, v in aliases.items():
+            by_version.setdefault(int(v), []).append(alias)
+        versions = self.client.search_model_versions(f"name='{self.name}'")
+        out = [VersionInfo(int(mv.version), sorted(by_version.get(int(mv.version), [])), dict(mv.tags),
+                           mv.run_id, mv.source, mv.creation_timestamp / 1000.0) for mv in versions]
+        return sorted(out, key=lambda x: -x.version)
+
+    def _start_run(self, run_name: str, tags: dict[str, str]) -> Any:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(self.settings.experiment)
+        if exp is None:
+            location = f"{self.settings.artifact_root.rstrip('/')}/{self.settings.experiment}"
+            try:
+                exp_id = self.client.create_experiment(self.settings.experiment, artifact_location=location)
+            except MlflowException:  # created concurrently by another process
+                exp_id = self.client.get_experiment_by_name(self.settings.experiment).experiment_id
+        else:
+            exp_id = exp.experiment_id
+        return self.client.create_run(exp_id, run_name=run_name, tags=tags)
+
+    def _register(self, run: Any, tags: dict[str, str]) -> int:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.name)
+        except MlflowException:
+            self.client.create_registered_model(self.name, description="livedraft drafters; alias champion serves")
+        source = f"{run.info.artifact_uri}/{DRAFTER_ARTIFACTS}"
+        mv = self.client.create_model_version(self.name, source=source, run_id=run.info.run_id,
+                                              tags={k: v for k, v in tags.items() if v != ""})
+        return int(mv.version)
+
+    def _log_round_data(self, run_id: str, result: RoundResult, target_model: str) -> None:
+        from mlflow.entities import Metric, Param
+
+        params = _round_params(result, target_model)
+        self.client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+        metrics = [Metric(k, v, int(time.time() * 1000), step) for k, v, step in _round_metrics(result)]
+        for i in range(0, len(metrics), 1000):  # MLflow's per-batch limit
+            self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
+        self.client.log_artifacts(run_id, str(result.candidate_dir), DRAFTER_ARTIFACTS)
+        with tempfile.TemporaryDirectory() as tmp:
+            plot = replay_plot(result, Path(tmp) / "replay_acceptance.png")
+            summary = Path(tmp) / "round.json"
+            summary.write_text(json.dumps(dataclasses.asdict(result), default=str, indent=1))
+            self.client.log_artifact(run_id, str(plot), "plots")
+            self.client.log_artifact(run_id, str(summary))
+
+    def _alias(self, alias: str) -> int | None:
+        v = (self._aliases() or {}).get(alias)
+        return int(v) if v is not None else None
+
+    def _aliases(self) -> dict[str, str] | None:
+        """Alias -> version of the registered model; None when the model does not exist yet."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return dict(self.client.get_registered_model(self.name).aliases)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+
+def replay_plot(result: RoundResult, path: Path) -> Path:
+    """PNG of per-position acceptance, candidate vs champion, on the held-out slice."""
+    # Figure without pyplot: Agg rendering with no global backend state, safe off the main thread.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for label, m in (("candidate " + result.candidate_version, result.candidate),
+                     ("champion " + result.champion_version, result.champion)):
+        xs = range(1, len(m.per_position_acceptance) + 1)
+        ax.plot(xs, m.per_position_acceptance, marker="o", label=f"{label} (mean acc. len {m.mean_acceptance_length:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / verify steps")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"held-out replay ({result.candidate.requests} requests): "
+                 f"{'promoted' if result.promoted else 'not promoted'}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+@dataclass
+class UiServer:
+    process: subprocess.Popen
+    url: str
+
+    def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Blocks until GET /health answers 200 (True), the server exits, or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as r:
+                    if r.status == 200:
+                        return True
+            except OSError:
+                pass
+            try:
+                self.process.wait(timeout=0.2)  # doubles as the poll interval; returns at once if it died
+                return False
+            except subprocess.TimeoutExpired:
+                continue
+        return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminates the server (mlflow forwards the signal to its uvicorn worker) and waits for it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout_s)
+
+
+def start_ui(settings: RegistrySettings, *, host: str = "127.0.0.1", port: int = 5000) -> UiServer:
+    """Starts `mlflow server` over the registry's stores (one worker, job execution off) and returns at
+    once; call `wait_ready()` before opening the URL and `stop()` when done."""
+    for uri in {settings.tracking_uri, settings.registry_uri}:
+        _ensure_sqlite_dir(uri)
+    cmd = [sys.executable, "-m", "mlflow", "server",
+           "--backend-store-uri", settings.tracking_uri, "--registry-store-uri", settings.registry_uri,
+           "--default-artifact-root", settings.artifact_root, "--no-serve-artifacts",
+           "--workers", "1", "--host", host, "--port", str(port)]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen(cmd, env=env)
+    return UiServer(proc, f"http://{host}:{port}")
+
+
+def _version_tags(result: RoundResult, target_model: str) -> dict[str, str]:
+    return {
+        "kind": "round", "parent_version": result.champion_version, "drafter_version": result.candidate_version,
+        "target_model": target_model, "loss": result.config.loss, "data_window": json.dumps(result.window),
+        "promoted": str(result.promoted).lower(), "reason": result.reason,
+        "candidate_mean_acceptance_length": f"{result.candidate.mean_acceptance_length:.4f}",
+        "candidate_acceptance_rate": f"{result.candidate.acceptance_rate:.4f}",
+        "champion_mean_acceptance_length": f"{result.champion.mean_acceptance_length:.4f}",
+        "champion_acceptance_rate": f"{result.champion.acceptance_rate:.4f}",
+    }
+
+
+def _round_params(result: RoundResult, target_model: str) -> dict[str, str]:
+    cfg = result.config
+    keys = ["loss", "lr", "steps", "max_seconds", "batch_size", "ce_weight", "seed", "lora", "promote_margin", "replay_k"]
+    keys += ["jsd_beta"] if cfg.loss == "jsd" else []
+    keys += ["lora_r", "lora_alpha", "lora_target_modules"] if cfg.lora else []
+    params = {k: str(getattr(cfg, k)) for k in keys}
+    params.update({f"window_{k}": str(v) for k, v in result.window.items() if v is not None})
+    params.update(base_version=result.champion_version, candidate_version=result.candidate_version)
+    if target_model:
+        params["target_model"] = target_model
+    return params
+
+
+def _round_metrics(result: RoundResult) -> list[tuple[str, float, int]]:
+    t = result.training
+    out = [(name, v, i) for name, vs in (("train_loss", t.losses), ("train_kd_loss", t.kd_losses),
+                                           ("train_ce_loss", t.ce_losses)) for i, v in enumerate(vs)]
+    for who, m in (("candidate", result.candidate), ("champion", result.champion)):
+        out += [(f"{who}_mean_acceptance_length", m.mean_acceptance_length, 0),
+                (f"{who}_acceptance_rate", m.acceptance_rate, 0)]
+        out += [(f"{who}_acceptance_per_position", v, i + 1) for i, v in enumerate(m.per_position_acceptance)]
+    gain = result.candidate.mean_acceptance_length - result.champion.mean_acceptance_length
+    out += [("gain_mean_acceptance_length", gain, 0), ("train_seconds", t.seconds, 0),
+            ("train_steps_per_s", t.steps_per_s, 0), ("round_seconds", result.seconds, 0)]
+    return out
+
+
+def _as_uri(location: str) -> str:
+    if "://" in location or location.startswith("file:"):
+        return location
+    return Path(location).expanduser().resolve().as_uri()
+
+
+def _ensure_sqlite_dir(uri: str) -> None:
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
