@@ -221,13 +221,15 @@ class DrafterRegistry:
         self.client.set_model_version_tag(self.name, str(version), "promoted_at", _now())
         log.info("registry: %s version %d is champion (previous %s)", self.name, version, current)
 
-    def tag_rolled_back(self, version: int, numbers: dict[str, float]) -> int | None:
+    def tag_rolled_back(self, version: int, numbers: dict[str, float], *, reason: str = "") -> int | None:
         """Tags `version` as rolled back (with `numbers`, e.g. acceptance before/after the swap) and, if it
         is the champion, moves `champion` back to `previous`. Returns the champion after the call, or
         None when there is none; a champion without a `previous` stays in place (logged)."""
         v = str(version)
         self.client.set_model_version_tag(self.name, v, "rolled_back", "true")
         self.client.set_model_version_tag(self.name, v, "rolled_back_at", _now())
+        if reason:
+            self.client.set_model_version_tag(self.name, v, "rollback.reason", reason)
         for key, value in numbers.items():
             self.client.set_model_version_tag(self.name, v, f"rollback.{key}", str(value))
         champion, previous = self.champion_version(), self._alias(PREVIOUS)
@@ -320,10 +322,12 @@ def replay_plot(result: RoundResult, path: Path) -> Path:
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    for label, m in (("candidate " + result.candidate_version, result.candidate),
-                     ("champion " + result.champion_version, result.champion)):
+    for label, m in ((f"candidate {result.candidate_version}", result.candidate),
+                     (f"champion v{result.champion_version}", result.champion)):
         xs = range(1, len(m.per_position_acceptance) + 1)
         ax.plot(xs, m.per_position_acceptance, marker="o", label=f"{label} (mean acc. len {m.mean_acceptance_length:.2f})")
+    k = max(len(result.candidate.per_position_acceptance), len(result.champion.per_position_acceptance))
+    ax.set_xticks(range(1, k + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / verify steps")
     ax.set_ylim(0, 1.05)

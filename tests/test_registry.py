@@ -128,10 +128,11 @@ def test_rollback_returns_to_previous(tmp_path, stories_drafter_dir):
     logged = reg.log_round(round_result(candidate_dir(stories_drafter_dir, tmp_path / "c", "cand-c"), "cand-c", "1",
                                         True))
     assert reg.champion_version() == 2
-    assert reg.tag_rolled_back(2, {"acceptance_before": 2.5, "acceptance_after": 1.1}) == 1
+    assert reg.tag_rolled_back(2, {"acceptance_before": 2.5, "acceptance_after": 1.1}, reason="collapse") == 1
     hist = {v.version: v for v in reg.history()}
     assert hist[1].aliases == ["champion"] and hist[2].aliases == []
     assert hist[2].tags["rolled_back"] == "true" and hist[2].tags["rollback.acceptance_after"] == "1.1"
+    assert hist[2].tags["rollback.reason"] == "collapse"
     assert reg.tag_rolled_back(1, {}) == 1  # no previous left: the champion stays
     assert logged.version == 2
     with pytest.raises(RegistryError, match="no version 9"):
