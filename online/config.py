@@ -66,10 +66,14 @@ class TrainerConfig:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated module names
     promote_margin: float = 0.05  # candidate must beat the champion's held-out mean acceptance length by this
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
+
+    @property
+    def lora_modules(self) -> list[str]:
+        return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
 
 
 @dataclass

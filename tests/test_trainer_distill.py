@@ -130,7 +130,7 @@ def test_errors_say_what_to_do(drafter_dir, traffic, tmp_path):
     with pytest.raises(TrainingError, match="choose one of"):
         distill(drafter_dir, traffic, tmp_path / "x", TrainerConfig(loss="kl"))
     with pytest.raises(TrainingError, match="lora_target_modules"):
-        distill(drafter_dir, traffic, tmp_path / "x", TrainerConfig(lora=True, lora_target_modules=["nope"], **FAST))
+        distill(drafter_dir, traffic, tmp_path / "x", TrainerConfig(lora=True, lora_target_modules="nope", **FAST))
     with pytest.raises(NotEnoughData, match="collect more traffic"):
         distill(drafter_dir, [RequestTrace("a", [5], [], [], "tiny", "d")], tmp_path / "x", TrainerConfig())
     no_labels = [RequestTrace("a", [5], [6, 7], [], "tiny", "d")]
@@ -140,3 +140,13 @@ def test_errors_say_what_to_do(drafter_dir, traffic, tmp_path):
     (tmp_path / "full" / "f").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
         distill(drafter_dir, traffic, tmp_path / "full", TrainerConfig(**FAST))
+
+
+def test_trainer_config_reads_from_file_and_environment(tmp_path):
+    from online.config import load_config
+
+    f = tmp_path / "livedraft.toml"
+    f.write_text('[trainer]\nloss = "jsd"\nlora = true\nlora_target_modules = "q_proj, v_proj"\n')
+    cfg = load_config(f, env={"LIVEDRAFT_TRAINER__LR": "0.01"}).trainer
+    assert (cfg.loss, cfg.lora, cfg.lr) == ("jsd", True, 0.01)
+    assert cfg.lora_modules == ["q_proj", "v_proj"]

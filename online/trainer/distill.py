@@ -160,7 +160,7 @@ def check_config(cfg: TrainerConfig) -> None:
     for key in ("ce_weight", "max_seconds", "max_grad_norm", "weight_decay"):
         if getattr(cfg, key) < 0:
             raise TrainingError(f"[trainer] {key} must be >= 0, got {getattr(cfg, key)}")
-    if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_target_modules):
+    if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):
         raise TrainingError("[trainer] lora needs lora_r >= 1 and a non-empty lora_target_modules")
 
 
@@ -291,7 +291,7 @@ def _trainable(model: PreTrainedModel, cfg: TrainerConfig) -> PreTrainedModel:
     from peft import LoraConfig, get_peft_model  # heavy; only LoRA rounds need it
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+                      target_modules=cfg.lora_modules, task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing for us to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
