@@ -6,11 +6,15 @@ import argparse
 import importlib
 import logging
 import os
+import pkgutil
 import sys
 
-# Each module defines `register(subparsers)`, which adds its parser(s) with
-# `set_defaults(func=...)`; `func(args) -> int` is the exit status.
-COMMANDS = ["generate", "drafter", "config", "demo"]
+import online.commands
+
+# Every module in online/commands/ defines `register(subparsers)`, which adds its
+# parser(s) with `set_defaults(func=...)`; `func(args) -> int` is the exit status.
+# Modules are discovered, so adding a command is adding a file.
+COMMANDS = sorted(m.name for m in pkgutil.iter_modules(online.commands.__path__) if not m.name.startswith("_"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # transformers draws a "Loading weights" bar on every (re)load; drafters reload on each swap
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 from runtime.errors import ModelLoadError
-from runtime.loader import DRAFTER_META, LoadedModel
+from runtime.loader import DRAFTER_META, MODEL_LOAD_LOCK, LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ def derive_drafter(
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]
-    drafter = AutoModelForCausalLM.from_config(cfg)
+    with MODEL_LOAD_LOCK:  # module construction must not overlap a from_pretrained elsewhere
+        drafter = AutoModelForCausalLM.from_config(cfg)
     keep = {k: v for k, v in target.model.state_dict().items() if not _beyond(k, layers)}
     missing, unexpected = drafter.load_state_dict(keep, strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:

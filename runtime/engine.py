@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.adaptive import DraftLengthConfig, DraftLengthController
-from runtime.drafters.base import Draft, Drafter
+from runtime.drafters.base import Draft, Drafter, begin_request
 from runtime.errors import RequestError
 from runtime.loader import LoadedModel
 from runtime.sinks import EventSink
@@ -105,12 +105,12 @@ class SpeculativeEngine:
     ) -> GenerationResult:
         """Generates one completion; `on_tokens` receives each step's new tokens."""
         params = params or SamplingParams()
-        self._validate(prompt_ids, params)
+        self.validate(prompt_ids, params)
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.config.draft)
         drafter = self.slot.get()  # one drafter for the whole request: no mixed KV caches
         created = time.time()
         t0 = time.perf_counter()
-        drafter.begin(req.id, req.prompt)
+        begin_request(drafter, req.id, req.prompt, tag)
         try:
             with torch.inference_mode():
                 first = self._choose(self.target.prefill(req.prompt), params, req.generator)
@@ -182,7 +182,8 @@ class SpeculativeEngine:
             return int(logits.argmax())
         return int(torch.multinomial(warp(logits, params.temperature, params.top_p), 1, generator=gen))
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError when `generate` would refuse the request (servers check before queueing)."""
         params.validate()
         if not prompt_ids:
             raise RequestError("prompt is empty: give at least one token (an empty string tokenizes to nothing)")

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,12 @@ def resolve_model_dir(spec: str | os.PathLike, cache_dir: str | os.PathLike | No
     return path, path.name
 
 
+# transformers' from_pretrained initialises on the meta device by patching torch globally:
+# two threads loading at once (the hot-swapper's watcher and the trainer, say) break each
+# other ("Cannot copy out of meta tensor"). Every load in this process goes through this lock.
+MODEL_LOAD_LOCK = threading.RLock()
+
+
 def load_model(
     spec: str | os.PathLike,
     *,
@@ -94,14 +101,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> LoadedModel:
-    path, model_id = resolve_model_dir(spec, cache_dir)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"could not load a causal LM from {path}: {e}") from e
-    tokenizer = None
-    if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    """Loads a causal LM (directory, GGUF file or packaged name) and its tokenizer, if any.
+    Thread-safe: loads are serialised process-wide (MODEL_LOAD_LOCK). Raises ModelLoadError."""
+    with MODEL_LOAD_LOCK:
+        path, model_id = resolve_model_dir(spec, cache_dir)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"could not load a causal LM from {path}: {e}") from e
+        tokenizer = None
+        if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
+            tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model, tokenizer, model_id, path)
 
 

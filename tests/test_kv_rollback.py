@@ -106,3 +106,27 @@ def test_model_drafter_rolls_back_its_cache():
     want = torch.softmax(fresh_logits(model, accepted)[-1], -1)
     torch.testing.assert_close(second.probs[0], want, rtol=1e-4, atol=1e-5)
     assert drafter._requests["r"].cache.get_seq_length() == len(accepted)
+
+
+def test_concurrent_model_loads_do_not_break_each_other(stories) -> None:
+    """The hot-swapper and the trainer load drafters from different threads at once; transformers'
+    meta-device init is process-global, so unserialised loads fail with meta-tensor errors."""
+    import threading
+
+    from runtime.loader import load_model
+
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        for _ in range(2):
+            try:
+                load_model(stories.path)
+            except BaseException as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from online.commands import generate
 from online.config import load_config
-from runtime.derive import derive_drafter
-from runtime.loader import load_model
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.txt"
 
@@ -23,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.derive import derive_drafter
+    from runtime.loader import load_model
+
     cfg = load_config(args.config)
     drafter_dir = cfg.data_path / "drafters" / f"{Path(args.target).name}-{args.layers}l"
     if not (drafter_dir / "config.json").exists():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 
 from online.config import load_config
-from runtime.derive import derive_drafter
-from runtime.loader import load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def init_drafter(args: argparse.Namespace) -> int:
+    from runtime.derive import derive_drafter
+    from runtime.loader import load_model
+
     cfg = load_config(args.config)
     target = load_model(args.from_target, cache_dir=cfg.models.cache_dir)
     out = derive_drafter(target, args.layers, args.out, vocab_top=args.vocab_top, text_file=args.vocab_text)

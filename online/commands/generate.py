@@ -9,11 +9,11 @@ from pathlib import Path
 
 from online.config import load_config
 from runtime.adaptive import DraftLengthConfig
-from runtime.drafters.factory import DrafterConfig, build_drafter
-from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.errors import LivedraftError, RequestError
-from runtime.loader import load_model
 from runtime.stats import RequestStats
+
+# torch/transformers are imported inside run(): every CLI invocation imports all
+# command modules to build the parser, and must not pay for the models' stack.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +66,10 @@ def encode(tokenizer: object, prompt: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.drafters.factory import DrafterConfig, build_drafter
+    from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+    from runtime.loader import load_model
+
     cfg = load_config(args.config)
     prompts = read_prompts(args.prompts)
     target = load_model(args.target, cache_dir=cfg.models.cache_dir)

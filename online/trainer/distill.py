@@ -118,7 +118,7 @@ def distill(
     check_config(cfg)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"candidate directory {out} is not empty: give a fresh --out directory")
+        raise FileExistsError(f"candidate directory {out} is not empty: give a new or empty directory")
     loaded = load_model(drafter_dir)
     parent_meta = read_drafter_meta(loaded.path)
     examples, skipped = prepare_examples(traces, loaded.vocab_size, loaded.max_context)
@@ -136,10 +136,10 @@ def distill(
     model = _merged(model, cfg)
     parent_version = str(parent_meta.get("version") or loaded.model_id)
     version = version or f"cand-{uuid.uuid4().hex[:8]}"
-    meta = {k: parent_meta[k] for k in INHERITED_META if k in parent_meta}
-    meta.update(version=version, parent_version=parent_version, **(provenance or {}))
-    meta["training"] = {**_training_params(cfg), "steps_done": len(losses), "seconds": round(seconds, 3),
-                        "traces": len(examples), "created_at": time.time()}
+    training = {**_training_params(cfg), "steps_done": len(losses), "seconds": round(seconds, 3),
+                "traces": len(examples), "created_at": time.time()}
+    meta = {**{k: parent_meta[k] for k in INHERITED_META if k in parent_meta}, **(provenance or {}),
+            "version": version, "parent_version": parent_version, "training": training}
     save_drafter(model, loaded.tokenizer, out, meta)
     log.info("distilled %s from %s: %d steps in %.1fs, loss %.4f -> %.4f, %d traces -> %s", version,
              parent_version, len(losses), seconds, losses[0], losses[-1], len(examples), out)
@@ -292,8 +292,10 @@ def _trainable(model: PreTrainedModel, cfg: TrainerConfig) -> PreTrainedModel:
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.lora_modules, task_type="CAUSAL_LM")
+    from runtime.loader import MODEL_LOAD_LOCK
+
     try:
-        with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing for us to fix
+        with MODEL_LOAD_LOCK, warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing for us to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return get_peft_model(model, lora)
     except ValueError as e:

@@ -64,3 +64,12 @@ class Drafter(Protocol):
         ...
 
     def end(self, req_id: str) -> None: ...
+
+
+def begin_request(drafter: Drafter, req_id: str, prompt_ids: list[int], tag: str | None) -> None:
+    """`drafter.begin`, passing the request's tenant tag to drafters that scope by it
+    (those with `tag_aware = True` accept `begin(..., tag=)`)."""
+    if tag is not None and getattr(drafter, "tag_aware", False):
+        drafter.begin(req_id, prompt_ids, tag=tag)
+    else:
+        drafter.begin(req_id, prompt_ids)
