@@ -89,7 +89,8 @@ def replay_traces(
         target.load(t)
         # A request that stopped did so on its last token, which appears nowhere earlier.
         engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
-        res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id)
+        res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id,
+                              tag=t.tag)
         report.outputs_match &= res.output_ids == t.output_ids
         report.stats = report.stats.merge(res.stats)
         tag = t.tag or "(none)"
@@ -107,4 +108,11 @@ def _max_new(t: RequestTrace) -> int:
 
 
 def _max_id(traces: list[RequestTrace]) -> int:
-    return max((max(t.prompt_ids + t.output_ids) for t in traces if t.prompt_ids), default=0)
+    """Largest token id the replayed target must represent: prompts, outputs, logged drafts
+    and soft labels (model-free drafters know no vocabulary of their own)."""
+    best = 0
+    for t in traces:
+        best = max(best, *t.prompt_ids, *t.output_ids, 0)
+        for s in t.steps:
+            best = max(best, *s.drafted, *(s.topk_ids or ()), 0)
+    return best

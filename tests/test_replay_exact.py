@@ -42,3 +42,16 @@ def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, stop_o
     assert report.stats.drafted == live.drafted
     assert report.stats.mean_acceptance_length == live.mean_acceptance_length
     assert report.stats.per_position_acceptance == live.per_position_acceptance
+
+
+def test_model_free_replay_sizes_the_vocabulary_from_soft_labels() -> None:
+    """Without vocab_size, the replayed target must cover the logged top-k ids, not only the tokens."""
+    from runtime.drafters.lookup import PromptLookupDrafter
+    from runtime.trace import RequestTrace, StepRecord
+
+    trace = RequestTrace(request_id="r", prompt_ids=[1, 2, 3, 1, 2], output_ids=[3, 1, 2, 3],
+                         steps=[StepRecord(0, [9], "model", 0, topk_ids=[500, 3], topk_logprobs=[-0.1, -2.5])],
+                         target_model="t", drafter_version="d", max_new_tokens=4)
+    report = replay_traces([trace], PromptLookupDrafter(), length=DraftLengthConfig(k=2))
+    assert report.stats.requests == 1
+    assert report.stats.mean_acceptance_length > 1.0  # the lookup drafter finds the repeated 3, 1, 2

@@ -1,0 +1,237 @@
+"""The embedded stream (the default transport): an append-only table in the SQL store.
+
+`stream_events.id` is the record offset (one partition, 0), increasing in commit order;
+consumer groups keep their next offset in `consumer_offsets`. Durability is the
+database's: an event is acknowledged once its insert committed (`SqlSink.flush`
+returned True), and a process kill after that loses nothing (SQLite WAL / PostgreSQL).
+
+A consumer polls the table: in-process appends wake it at once, appends from other
+processes are seen within `poll_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+from online.events import encode_trace
+from online.store import Store
+from online.store import models as m
+from online.stream import Record
+from runtime.trace import RequestTrace
+
+if TYPE_CHECKING:
+    from online.config import Config
+
+log = logging.getLogger(__name__)
+
+PARTITION = 0
+_STOP = object()
+_appended = threading.Condition()  # notified after every in-process append commit
+_RETRY_DELAYS_S = (0.05, 0.2, 1.0, 3.0)  # a locked or briefly unreachable database, then give up
+
+
+def append(store: Store, records: Sequence[tuple[str | None, bytes]]) -> list[int]:
+    """Appends raw (key, payload) records in one transaction; returns their offsets.
+
+    Blocks for the transaction (use `SqlSink` from a decoding thread). Raises the
+    database's error when the insert fails; nothing is appended then.
+    """
+    if not records:
+        return []
+    t = m.StreamEvent.__table__
+    now = time.time()
+    with store.engine.begin() as conn:
+        store.lock_for_append(conn, "stream_events")
+        ids = conn.execute(store.insert(t).returning(t.c.id, sort_by_parameter_order=True),
+                           [{"key": k, "payload": p, "at": now} for k, p in records]).scalars().all()
+    with _appended:
+        _appended.notify_all()
+    return list(ids)
+
+
+class SqlSink:
+    """An EventSink onto the embedded stream: `emit` never blocks (bounded queue, drops
+    counted); one writer thread encodes and inserts batches of up to `batch_max` events.
+
+    Counters: `emitted` (accepted into the queue), `dropped` (queue full or closed),
+    `failed` (insert failed after retries; logged), `written` (committed).
+    """
+
+    def __init__(self, store: Store, *, queue_size: int = 10000, batch_max: int = 500,
+                 owns_store: bool = False) -> None:
+        self.store = store
+        self.batch_max = batch_max
+        self.emitted = self.dropped = self.failed = self.written = 0
+        self._owns_store = owns_store
+        self._closed = False
+        self._queue: queue.Queue[object] = queue.Queue(queue_size)
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="livedraft-sql-sink", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SqlSink:
+        """Opens (and migrates) `stream.sql_url`, else the store URL. Raises StoreError."""
+        store = Store.open(cfg.stream.sql_url or cfg.store_url())
+        return cls(store, queue_size=cfg.stream.queue_size, batch_max=cfg.stream.batch_max_records, owns_store=True)
+
+    def emit(self, event: RequestTrace) -> None:
+        """Queues `event`; never blocks. Drops (and counts) it when the queue is full."""
+        with self._cond:
+            if self._closed:
+                self.dropped += 1
+                return
+            try:
+                self._queue.put_nowait(event)
+            except queue.Full:
+                self.dropped += 1
+                return
+            self.emitted += 1
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Blocks until every event emitted before the call is committed or has failed, at
+        most `timeout_s`. True when all of them are committed (acknowledged)."""
+        with self._cond:
+            target, failed_before = self.emitted, self.failed
+            done = self._cond.wait_for(lambda: self.written + self.failed >= target, timeout_s)
+            if not done:
+                log.warning("sql sink flush timed out after %.1fs: %d events not yet written",
+                            timeout_s, target - self.written - self.failed)
+            return done and self.failed == failed_before
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flushes, stops the writer thread, and closes the store if this sink opened it.
+        Blocks up to about 3 x `timeout_s` when the database is stuck; events still queued
+        then are not acknowledged (and are lost when the process exits)."""
+        ok = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+        try:
+            self._queue.put(_STOP, timeout=timeout_s)  # room appears as the writer drains
+        except queue.Full:
+            log.warning("sql sink: writer still busy after %.1fs; %d events unacknowledged", timeout_s,
+                        self._queue.qsize())
+        self._thread.join(timeout_s)
+        if self._owns_store and ok and not self._thread.is_alive():
+            self.store.close()
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while len(batch) < self.batch_max:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if _STOP in batch:
+                stop = True
+                batch = [e for e in batch if e is not _STOP]
+            if batch:
+                self._write(batch)
+
+    def _write(self, batch: list) -> None:
+        records, bad = [], 0
+        for event in batch:
+            try:
+                records.append((event.request_id, encode_trace(event)))
+            except Exception:
+                bad += 1
+                log.exception("cannot encode event %r; dropped", getattr(event, "event_id", event))
+        written, failed = 0, bad
+        for attempt, delay in enumerate((*_RETRY_DELAYS_S, None)):
+            try:
+                append(self.store, records)
+                written = len(records)
+                break
+            except Exception as e:
+                if delay is None:
+                    failed += len(records)
+                    log.error("sql sink: %d events lost after %d attempts: %s", len(records), attempt + 1, e)
+                else:
+                    log.warning("sql sink: insert failed (%s); retrying in %.2fs", e, delay)
+                    time.sleep(delay)
+        with self._cond:
+            self.written += written
+            self.failed += failed
+            self._cond.notify_all()
+
+
+class SqlSource:
+    """An EventSource over the embedded stream for consumer group `group`.
+
+    A new group starts at the beginning of the log. `poll` advances a private position;
+    `commit` stores it for the group (call it after the batch is durably stored).
+    Not thread-safe: one consumer per instance. The embedded stream has one partition, so
+    run one collector per group: a second one is safe (every consumer commits only what
+    it stored itself; the store de-duplicates) but only repeats the first one's work.
+    """
+
+    def __init__(self, store_or_url: Store | str, group: str, *, poll_interval_s: float = 0.05) -> None:
+        self._owns_store = isinstance(store_or_url, str)
+        self.store = Store.open(store_or_url) if isinstance(store_or_url, str) else store_or_url
+        self.group = group
+        self.poll_interval_s = poll_interval_s
+        self._position = self.committed()
+
+    @classmethod
+    def from_config(cls, cfg: Config, group: str) -> SqlSource:
+        return cls(cfg.stream.sql_url or cfg.store_url(), group, poll_interval_s=cfg.stream.sql_poll_interval_s)
+
+    @property
+    def position(self) -> int:
+        """The next offset `poll` reads."""
+        return self._position
+
+    def committed(self) -> int:
+        """The group's committed next offset (0 = the beginning of the log)."""
+        o = m.ConsumerOffset.__table__
+        q = sa.select(o.c.next_offset).where(o.c.consumer_group == self.group, o.c.partition == PARTITION)
+        with self.store.engine.connect() as conn:
+            return conn.execute(q).scalar() or 0
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        """Up to `max_records` records from the position on; waits up to `timeout_s` for the
+        first one (empty list then). Raises the database's error when it cannot read."""
+        t = m.StreamEvent.__table__
+        q = (sa.select(t.c.id, t.c.key, t.c.payload, t.c.at).where(t.c.id >= sa.bindparam("pos"))
+             .order_by(t.c.id).limit(max_records))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.store.engine.connect() as conn:
+                rows = conn.execute(q, {"pos": self._position}).all()
+            if rows:
+                self._position = rows[-1].id + 1
+                return [Record(r.payload, r.key, PARTITION, r.id, r.at) for r in rows]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            with _appended:
+                _appended.wait(min(left, self.poll_interval_s))
+
+    def commit(self) -> None:
+        """Stores the position as the group's committed offset (one upsert; blocks for it)."""
+        o = m.ConsumerOffset.__table__
+        stmt = self.store.insert(o).values(consumer_group=self.group, partition=PARTITION,
+                                           next_offset=self._position, updated_at=time.time())
+        stmt = stmt.on_conflict_do_update(index_elements=["consumer_group", "partition"],
+                                          set_={"next_offset": stmt.excluded.next_offset,
+                                                "updated_at": stmt.excluded.updated_at})
+        with self.store.engine.begin() as conn:
+            conn.execute(stmt)
+
+    def seek(self, offsets: dict[int, int]) -> None:
+        """Next poll reads from `offsets[0]` (other partitions do not exist here)."""
+        if PARTITION in offsets:
+            self._position = offsets[PARTITION]
+
+    def close(self) -> None:
+        if self._owns_store:
+            self.store.close()
