@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.drafters.base import Drafter
+from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
+from runtime.drafters.ngram import NGramTable
 from runtime.drafters.none import NoDrafter
+from runtime.drafters.suffix import NGramDrafter, SuffixDrafter
+from runtime.drafters.suffix_tree import SuffixCache
 from runtime.errors import ModelLoadError
 from runtime.loader import LoadedModel, load_model, read_drafter_meta
 
@@ -21,6 +26,10 @@ class DrafterConfig:
     version: str | None = None  # recorded in traces; defaults to the kind or directory name
     max_ngram: int = 3  # lookup
     min_ngram: int = 1  # lookup
+    # suffix / hybrid: the shared global SuffixCache (online.cache keeps it in step with the
+    # traffic log); ngram: the shared NGramTable. None builds an empty one of defaults.
+    cache: Any = None
+    hybrid_threshold: float = 1.0  # hybrid: use the suffix draft when its score (expected accepted tokens) >= this
 
 
 Builder = Callable[[DrafterConfig, "LoadedModel | None", "str | os.PathLike | None"], Drafter]
@@ -40,7 +49,34 @@ def _none(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.Pa
     return NoDrafter()
 
 
-BUILDERS: dict[str, Builder] = {"model": _model, "lookup": _lookup, "none": _none}
+def _suffix(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
+    return SuffixDrafter(_shared(cfg, SuffixCache), version=cfg.version or "suffix")
+
+
+def _ngram(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
+    return NGramDrafter(_shared(cfg, NGramTable), version=cfg.version or "ngram")
+
+
+def _hybrid(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
+    if not cfg.path:
+        raise ModelLoadError("a hybrid drafter needs a model drafter path: --drafter DIR "
+                             "(derive one with `livedraft drafter init`), or use --drafter-kind suffix")
+    model = load_model_drafter(cfg.path, target, cache_dir=cache_dir, version=cfg.version)
+    return HybridDrafter(SuffixDrafter(_shared(cfg, SuffixCache)), model, cfg.hybrid_threshold)
+
+
+def _shared(cfg: DrafterConfig, cls: type) -> Any:
+    if cfg.cache is None:
+        return cls()
+    if not isinstance(cfg.cache, cls):
+        raise ModelLoadError(f"drafter kind {cfg.kind!r} needs a {cls.__name__} cache, got {type(cfg.cache).__name__}")
+    return cfg.cache
+
+
+BUILDERS: dict[str, Builder] = {
+    "model": _model, "lookup": _lookup, "none": _none,
+    "suffix": _suffix, "ngram": _ngram, "hybrid": _hybrid,
+}
 
 
 def build_drafter(
