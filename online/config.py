@@ -41,6 +41,11 @@ class StreamConfig:
     linger_ms: int = 20
     batch_size: int = 262144
     batch_max_records: int = 500
+    kafka_compression: str = ""  # "", "gzip" (lz4/zstd/snappy need their libraries); "" is fastest on localhost
+    kafka_session_timeout_ms: int = 6000  # consumer group liveness (Kafka's default floor is 6000)
+    kafka_heartbeat_interval_ms: int = 1000
+    sql_url: str = ""  # embedded stream (kind "sql"): its database; empty = the store's URL
+    sql_poll_interval_s: float = 0.05  # embedded stream: how often an idle consumer re-reads the log
 
 
 @dataclass
@@ -91,6 +96,67 @@ class RegistryConfig:
 
 
 @dataclass
+class CacheConfig:
+    """Model-free drafting caches (suffix tree / n-gram), maintained from the stream (online/cache/)."""
+
+    kind: str = "suffix"  # "suffix" (SuffixDecoding trees) or "ngram" (n-gram table)
+    max_sequences: int = 10000  # cached finished outputs, FIFO eviction of whole sequences
+    max_tokens: int = 0  # bound on their total tokens as well (0 = none)
+    max_depth: int = 24  # suffix: max match + draft length (and tree depth)
+    max_spec_factor: float = 1.0  # suffix: a match of m tokens drafts at most factor*m + offset
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # stop drafting once the path probability falls below this
+    ngram_max_n: int = 3  # ngram: longest context
+    tag_scoped: bool = False  # one cache per trace tag (tenant): no cross-tenant drafts
+    include_prompt: bool = False  # cache prompt + output (default: outputs only, as SuffixDecoding)
+    consumer_group: str = "livedraft-cache"  # the maintainer's consumer group
+    snapshot_every_s: float = 60.0  # maintainer: snapshot at most this often when there is news ...
+    snapshot_every_n: int = 1000  # ... or after this many applied traces, whichever comes first
+    keep_snapshots: int = 3  # older snapshots are deleted (a corrupt newest falls back to these)
+    hybrid_threshold: float = 1.0  # hybrid drafter: suffix draft when its score >= this, else the model
+
+
+@dataclass
+class ServeConfig:
+    """`livedraft serve`: the HTTP API in front of the engine, and drafter hot-swap."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64  # requests waiting for the engine, all clients; beyond: 503
+    max_queue_per_client: int = 16  # per X-Client-Id (or address); beyond: 429
+    max_body_bytes: int = 1048576
+    default_max_tokens: int = 64
+    request_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish queued requests for this long
+    k: int = 4  # draft length (fixed mode)
+    adaptive: bool = False  # adaptive draft length, up to k_max
+    k_max: int = 8
+    torch_threads: int = 0  # torch intra-op threads; 0 = torch's default (set 1 on a busy small machine)
+    watch_registry: bool = False  # hot-swap the registry's champion
+    poll_s: float = 5.0  # how often the champion alias is polled
+    rollback_window: int = 20  # requests per version in the rolling acceptance window
+    rollback_min_requests: int = 8  # the new version is judged once it has served this many
+    rollback_max_drop: float = 0.5  # roll back when the new version keeps < (1 - this) of the old gain
+
+
+@dataclass
+class DaemonConfig:
+    """`livedraft daemon`: collector, trainer schedule and cache maintainer in one process."""
+
+    interval_s: float = 600.0  # a round at least this often while new traces arrive; 0 = off
+    min_new_traces: int = 200  # a round as soon as this many traces arrived since the last; 0 = off
+    check_interval_s: float = 5.0  # how often the new-traces trigger counts (one cheap query)
+    window_traces: int = 1000  # newest traces a round reads (train + held out)
+    holdout_traces: int = 100  # newest of those held out for the promotion gate
+    tag: str = ""  # train only on traffic with this domain/tenant tag; empty = all
+    retry_backoff_s: float = 30.0  # after a failed round, doubling up to interval_s while failures repeat
+    drain_timeout_s: float = 60.0  # on SIGTERM, wait this long for a running round before abandoning it
+    collector_poll_s: float = 1.0  # stream poll timeout of the collector loop
+    work_dir: str = ""  # empty: <data_dir>/trainer (candidates before they are registered)
+    cache: bool = True  # run the suffix/n-gram cache maintainer ([cache]) in the daemon
+
+
+@dataclass
 class Config:
     data_dir: str = "~/.livedraft"
     models: ModelsConfig = field(default_factory=ModelsConfig)
@@ -98,6 +164,9 @@ class Config:
     stream: StreamConfig = field(default_factory=StreamConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
 
     @property
     def data_path(self) -> Path:

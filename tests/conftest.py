@@ -9,6 +9,23 @@ import pytest
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # also for session/module fixtures, which run before the autouse one
+
+from tests.conftest_kafka import kafka_broker  # noqa: E402, F401
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Every test runs with one intra-op torch thread, restored after (code under test, e.g.
+    `livedraft up` in-process, may change it). The test models are tiny: one thread is fastest,
+    and on a loaded 2-core machine torch's default pool made them ~100x slower (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 @pytest.fixture(scope="session")
 def stories(tmp_path_factory):

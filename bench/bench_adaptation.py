@@ -1,0 +1,241 @@
+"""Adaptation benchmark: a frozen drafter vs one distilled online from the traffic it serves.
+
+Traffic is one domain, then a shift, then another (default stories -> Python
+code -> instructions; built-in prompt pools, chat template, greedy, 64 new
+tokens). Two drafters serve the same request stream at fixed k:
+
+(a) frozen: the initial drafter (by default derived from the target's first
+    layers, untrained), never updated;
+(b) adapted: starts as the same drafter; after every W requests a training
+    round distils a candidate from the current champion on a window of the
+    traffic served so far (online/trainer/distill.py, the project's trainer:
+    soft labels at rejected positions + cross-entropy on the target's tokens),
+    scores candidate and champion on the newest, held-out part of the window,
+    and swaps the candidate in for the next requests only if it wins
+    (online.trainer.round.decide, the production gate).
+
+To fit a CPU budget the target runs once: it answers every prompt greedily
+(batched) and logs its top-k logprobs per position. Serving each request with
+a drafter is then scored by teacher-forced replay — one drafter forward per
+request, exact for greedy (bench/traffic.py; equal to the engine-loop replay
+step for step, tests/test_bench_traffic.py) — and the trace that serving would
+have logged (steps, soft labels at rejections) is what the trainer learns from.
+
+    nice -n 10 python -m bench.bench_adaptation            # table + bench/results/adaptation.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.traffic import (
+    THREADS_HELP,
+    Request,
+    chat_ids,
+    drafter_predictions,
+    greedy_traffic,
+    prompt_pool,
+    request_stats,
+    served_trace,
+    simulate_steps,
+    start_run,
+    teacher_forced_replay,
+)
+from online.config import TrainerConfig
+from online.trainer.distill import distill
+from online.trainer.round import ReplayMetrics, decide
+from runtime.derive import derive_drafter
+from runtime.drafters.factory import load_model_drafter
+from runtime.loader import load_model
+from runtime.stats import RequestStats
+
+log = logging.getLogger("bench_adaptation")
+
+
+def metrics(name: str, stats: list[RequestStats]) -> ReplayMetrics:
+    s = RequestStats.total(stats)
+    return ReplayMetrics(name, s.mean_acceptance_length, s.acceptance_rate, s.per_position_acceptance,
+                         s.steps, s.requests)
+
+
+def summary(stats: list[RequestStats]) -> dict:
+    s = RequestStats.total(stats)
+    pos = s.per_position_acceptance
+    return {"mean_acceptance_length": round(s.mean_acceptance_length, 3),
+            "acceptance_rate": round(s.acceptance_rate, 3),
+            "first_token_acceptance": round(pos[0], 3) if pos else 0.0, "requests": s.requests}
+
+
+def rolling(xs: list[float], w: int) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
+
+
+def recovery(adapted: list[float], start: int, end: int, w: int) -> int | None:
+    """Requests after a shift until the adapted drafter's w-request rolling mean acceptance length
+    first reaches 90% of its own level over the segment's last 16 requests (None: never)."""
+    level = statistics.fmean(adapted[max(start, end - 16) : end])
+    roll = rolling(adapted[start:end], w)
+    return next((i + 1 for i, x in enumerate(roll) if i + 1 >= w and x >= 0.9 * level), None)
+
+
+def load_traffic(target, args, cache: Path) -> list[Request]:
+    key = {"target": target.model_id, "domains": args.domains, "per_domain": args.per_domain,
+           "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8}
+    if cache.exists():
+        data = json.loads(cache.read_text())
+        if data.get("key") == key:
+            return [Request(**r) for r in data["requests"]]
+    traffic: list[Request] = []
+    for domain in args.domains.split(","):
+        ids = [chat_ids(target, p) for p in prompt_pool(domain, args.per_domain, seed=args.seed)]
+        traffic += greedy_traffic(target, ids, args.max_new_tokens, tag=domain)
+        log.info("target answered %d %s prompts", len(ids), domain)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "requests": [r.__dict__ for r in traffic]}))
+    return traffic
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--drafter", help="initial drafter dir (default: derive one with --layers)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--domains", default="stories,code,instructions")
+    ap.add_argument("--per-domain", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--every", type=int, default=8, help="W: requests between training rounds")
+    ap.add_argument("--window", type=int, default=32, help="newest served traces a round sees")
+    ap.add_argument("--holdout", type=float, default=0.25, help="newest share of the window held out for the gate")
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
+    ap.add_argument("--out", default="bench/results/adaptation")
+    args = ap.parse_args()
+    out, work = start_run(args)
+    t_start = time.perf_counter()
+
+    target = load_model(args.target)
+    traffic = load_traffic(target, args, out.parent / f"{out.name}_traffic.json")
+    t_traffic = time.perf_counter() - t_start
+    init_dir = Path(args.drafter) if args.drafter else derive_drafter(target, args.layers, work / "initial")
+
+    frozen = load_model_drafter(init_dir, target)
+    frozen_stats = teacher_forced_replay(frozen, traffic, args.k)
+    cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.5, loss="fkl",
+                        promote_margin=args.margin, replay_k=args.k, seed=args.seed)
+    champion_dir, champion, version = init_dir, frozen, "initial"
+    served: list[tuple[Request, object]] = []  # (request, the trace serving it logged)
+    adapted_stats: list[RequestStats] = []
+    rounds, t_train = [], 0.0
+    for r0 in range(0, len(traffic), args.every):
+        block = traffic[r0 : r0 + args.every]
+        for i, (req, pred) in enumerate(zip(block, drafter_predictions(champion, block), strict=True)):
+            adapted_stats.append(request_stats(req, simulate_steps(req, pred, args.k)))
+            served.append((req, served_trace(req, pred, args.k, f"req-{r0 + i}", version, target.model_id)))
+        if r0 + args.every >= len(traffic):
+            break
+        window = served[-args.window :]
+        n_hold = max(1, round(len(window) * args.holdout))
+        train, hold = [t for _, t in window[:-n_hold]], [r for r, _ in window[-n_hold:]]
+        t0 = time.perf_counter()
+        cand_version = f"round{len(rounds) + 1}"
+        res = distill(champion_dir, train, work / cand_version, cfg, version=cand_version)
+        cand = load_model_drafter(work / cand_version, target)
+        c = metrics(cand_version, teacher_forced_replay(cand, hold, args.k))
+        h = metrics(version, teacher_forced_replay(champion, hold, args.k))
+        promoted, reason = decide(c, h, cfg.promote_margin)
+        seconds = time.perf_counter() - t0
+        t_train += seconds
+        rounds.append({"after_request": r0 + len(block), "candidate": cand_version, "promoted": promoted,
+                       "candidate_mal": round(c.mean_acceptance_length, 3),
+                       "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
+                       "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
+        log.info("round %d after %d requests: %s (%.0fs)", len(rounds), r0 + len(block), reason, seconds)
+        if promoted:
+            if champion_dir != init_dir:
+                shutil.rmtree(champion_dir, ignore_errors=True)
+            champion_dir, champion, version = work / cand_version, cand, cand_version
+        else:
+            shutil.rmtree(work / cand_version, ignore_errors=True)
+    report(args, traffic, frozen_stats, adapted_stats, rounds, out,
+           {"traffic_s": round(t_traffic, 1), "training_rounds_s": round(t_train, 1),
+            "total_s": round(time.perf_counter() - t_start, 1), "torch_threads": torch.get_num_threads()})
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: list[RequestStats], rounds: list,
+           out: Path, timing: dict) -> None:
+    domains = args.domains.split(",")
+    bounds, start = {}, 0
+    for d in domains:
+        n = sum(1 for r in traffic if r.tag == d)
+        bounds[d] = (start, start + n)
+        start += n
+    fm = [s.mean_acceptance_length for s in frozen]
+    am = [s.mean_acceptance_length for s in adapted]
+    rows = []
+    for j, d in enumerate(domains):
+        a, b = bounds[d]
+        fs, ads = summary(frozen[a:b]), summary(adapted[a:b])
+        rows.append({"domain": d, "requests": f"{a + 1}-{b}", "frozen": fs, "adapted": ads,
+                     "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
+                     "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
+                     "recovery_requests": recovery(am, a, b, 8) if j > 0 else None})
+    result = {"config": vars(args), "timing": timing, "domains": rows, "rounds": rounds,
+              "per_request_mal": {"frozen": [round(x, 3) for x in fm], "adapted": [round(x, 3) for x in am]}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2))
+    plot(fm, am, bounds, rounds, Path(f"{out}.png"), args)
+    print(f"\n{timing}\n")
+    print("| domain (requests) | frozen MAL | adapted MAL | frozen acc. rate | adapted acc. rate | gain (acc. rate) "
+          "| first-token acc. frozen → adapted | recovery after shift (requests) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        f, a = r["frozen"], r["adapted"]
+        print(f"| {r['domain']} ({r['requests']}) | {f['mean_acceptance_length']} | {a['mean_acceptance_length']} | "
+              f"{f['acceptance_rate']} | {a['acceptance_rate']} | {r['acceptance_rate_gain']:+} | "
+              f"{f['first_token_acceptance']} → {a['first_token_acceptance']} | "
+              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} |")
+    print("\nrounds: " + "; ".join(f"{x['after_request']}: {x['candidate_mal']} vs {x['champion_mal']}"
+                                  f"{' promoted' if x['promoted'] else ''}" for x in rounds))
+
+
+def plot(frozen: list[float], adapted: list[float], bounds: dict, rounds: list, path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(1, len(frozen) + 1))
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)
+    ax.plot(x, rolling(frozen, 8), label="(a) frozen initial drafter", color="tab:gray")
+    ax.plot(x, rolling(adapted, 8), label="(b) adapted online", color="tab:blue")
+    for d, (a, _) in bounds.items():
+        ax.axvline(a + 0.5, color="black", lw=0.6, ls=":")
+        ax.text(a + 1.5, 0.98, d, transform=ax.get_xaxis_transform(), va="top", fontsize=9)
+    for r in rounds:
+        if r["promoted"]:
+            ax.axvline(r["after_request"] + 0.5, color="tab:green", lw=0.8, alpha=0.5)
+    ax.set_xlabel("requests served")
+    ax.set_ylabel(f"mean acceptance length (k={args.k}, rolling 8)")
+    ax.set_title("Online adaptation across domain shifts (green: candidate promoted)", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

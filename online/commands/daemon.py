@@ -1,0 +1,73 @@
+"""`livedraft daemon`: collector + trainer schedule (+ cache maintainer) until SIGTERM/SIGINT, then drain."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+from online.config import Config, load_config
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("daemon", help="run the collector and the trainer schedule until SIGTERM (drains cleanly)")
+    p.add_argument("--data-dir", help="data directory (default: data_dir from the config)")
+    p.add_argument("--initial-drafter", help="drafter directory to bootstrap the registry with when it has no "
+                                             "champion yet")
+    p.add_argument("--no-trainer", action="store_true", help="collect only")
+    p.set_defaults(func=run)
+
+
+def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGTERM and SIGINT set `stop` (a second one still interrupts); returns a function restoring the
+    previous handlers. Main thread only."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        log.info("received %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    for s in previous:
+        signal.signal(s, handler)
+    return lambda: [signal.signal(s, h) for s, h in previous.items()] and None
+
+
+def apply_data_dir(cfg: Config, data_dir: str | None) -> Config:
+    if data_dir:
+        cfg.data_dir = data_dir
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from online.daemon import Daemon
+
+    cfg = apply_data_dir(load_config(args.config), args.data_dir)
+    cfg.data_path.mkdir(parents=True, exist_ok=True)
+    daemon = Daemon(cfg, trainer=not args.no_trainer)
+    if args.initial_drafter:
+        version = daemon.registry.bootstrap(args.initial_drafter)
+        print(f"registry {cfg.registry.model_name}: champion is version {version}", flush=True)
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
+    daemon.start()
+    d = cfg.daemon
+    trainer = "no trainer" if args.no_trainer else (
+        f"a trainer round every {d.min_new_traces} new traces (checked every {d.check_interval_s:g}s)"
+        + (f" or {d.interval_s:g}s" if d.interval_s > 0 else ""))
+    print(f"livedraft daemon: collecting the {cfg.stream.kind} stream into {cfg.store_url()}; {trainer}; "
+          f"cache maintainer {'on' if d.cache else 'off'}. SIGTERM or Ctrl-C drains and exits.", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        report = daemon.stop()
+        restore()
+    print(f"livedraft daemon: stopped ({report.collected_on_drain} records stored on the final pass; "
+          f"running round {'finished' if report.round_finished else 'abandoned'})", flush=True)
+    return 0

@@ -1,0 +1,76 @@
+"""`livedraft serve`: the engine behind an OpenAI-compatible HTTP API, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from online.config import load_config
+from runtime.errors import LivedraftError
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-compatible), with drafter hot-swap")
+    p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
+    p.add_argument("--drafter", help="drafter model directory (for --drafter-kind model)")
+    p.add_argument("--drafter-kind", default="model",
+                   help="model | lookup | none (default: model; with --watch-registry and no --drafter, "
+                        "the registry's champion)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--k", type=int, help="fixed draft length (default: [serve] k)")
+    mode.add_argument("--adaptive", action="store_true", help="adaptive draft length up to --k-max")
+    p.add_argument("--k-max", type=int, help="upper bound on k in --adaptive mode")
+    p.add_argument("--host", help="listen address (default: [serve] host)")
+    p.add_argument("--port", type=int, help="listen port, 0 = any free port (default: [serve] port)")
+    p.add_argument("--watch-registry", action="store_true",
+                   help="hot-swap the MLflow registry's champion drafter (polled every [serve] poll_s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from online.drafter_source import RegistryDrafterSource
+    from online.serving import start_serving
+    from online.stream import open_sink
+    from runtime.drafters.factory import DrafterConfig, build_drafter
+    from runtime.loader import load_model
+
+    cfg = load_config(args.config)
+    s = cfg.serve
+    if args.k is not None:
+        s.k, s.adaptive = args.k, False
+    s.adaptive = s.adaptive or args.adaptive
+    s.k_max = args.k_max or s.k_max
+    s.watch_registry = s.watch_registry or args.watch_registry
+    if s.k < 1 or s.k_max < 1:
+        raise LivedraftError(f"draft lengths must be >= 1, got k={s.k}, k_max={s.k_max}")
+    target = load_model(args.target, cache_dir=cfg.models.cache_dir)
+    initial = None
+    if args.drafter or args.drafter_kind != "model" or not s.watch_registry:
+        initial = build_drafter(DrafterConfig(kind=args.drafter_kind, path=args.drafter), target, cfg.models.cache_dir)
+    source = None
+    if s.watch_registry:
+        from online.registry import DrafterRegistry
+
+        source = RegistryDrafterSource(DrafterRegistry.from_config(cfg), target)
+    sink = open_sink(cfg)
+    try:
+        handle = start_serving(cfg, target=target, drafter_source=source, initial_drafter=initial, sink=sink,
+                               host=args.host, port=args.port)
+    except BaseException:
+        sink.close()
+        raise
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"livedraft serve: {target.model_id} on {handle.url} (drafter {handle.server.drafter_version()}); "
+          "POST /v1/completions, GET /metrics, GET /v1/drafter; Ctrl-C to stop", flush=True)
+    stop.wait()
+    log.info("draining (up to %.0fs) ...", s.drain_timeout_s)
+    drained = handle.stop(s.drain_timeout_s)
+    sink.close(s.drain_timeout_s)
+    print(f"livedraft serve: stopped ({'drained' if drained else 'requests were still running'})", flush=True)
+    return 0 if drained else 1

@@ -1,0 +1,93 @@
+"""The benchmarks' one-forward replay equals the engine-loop replay, step for step."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.traffic import (
+    Request,
+    greedy_traffic,
+    prompt_pool,
+    served_trace,
+    simulate_steps,
+    teacher_forced_replay,
+)
+from online.replay import replay_traces
+from runtime.adaptive import DraftLengthConfig
+from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.model import ModelDrafter
+from runtime.drafters.none import NoDrafter
+from runtime.engine import SamplingParams, SpeculativeEngine
+
+PROMPTS = ["Once upon a time, there was a dog named", "Lily and Tom went to the park. Lily said,",
+           "The little bird was sad because", "One day, a big red ball"]
+
+
+def as_trace(i: int, r: Request):
+    from runtime.trace import RequestTrace
+
+    return RequestTrace(f"r{i}", r.prompt_ids, r.output_ids, [], "stories", "none",
+                        max_new_tokens=r.max_new_tokens, finish_reason=r.finish_reason)
+
+
+@pytest.fixture(scope="module")
+def traffic(stories):
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    return greedy_traffic(stories, ids, 40, batch_size=3, topk=4)
+
+
+def test_traffic_is_the_targets_greedy_output(stories, traffic):
+    engine = SpeculativeEngine.for_model(stories, NoDrafter())
+    for r in traffic:
+        assert r.output_ids == engine.generate(r.prompt_ids, SamplingParams(max_new_tokens=40)).output_ids
+        assert len(r.topk_ids) == len(r.output_ids)
+        assert all(ids[0] == tok for ids, tok in zip(r.topk_ids, r.output_ids, strict=True))  # greedy = top-1
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("vocab_trim", [False, True])
+def test_one_forward_replay_equals_engine_replay(stories, stories_drafter_dir, traffic, k, vocab_trim):
+    base = load_model_drafter(stories_drafter_dir, stories)
+    kept = list(range(0, 300)) if vocab_trim else None
+    drafter = ModelDrafter(base.model, stories.vocab_size, kept_ids=kept)
+    fast = teacher_forced_replay(drafter, traffic, k)
+    for i, r in enumerate(traffic):
+        ref = replay_traces([as_trace(i, r)], drafter, length=DraftLengthConfig(k=k)).stats
+        got = fast[i]
+        assert (got.steps, got.drafted, got.accepted) == (ref.steps, ref.drafted, ref.accepted)
+        assert got.accepted_per_position == ref.accepted_per_position
+    assert sum(s.accepted for s in fast) > 0  # the drafter is right sometimes, so acceptance is exercised
+
+
+def test_simulated_steps_follow_the_engine_rules():
+    out = [10, 11, 12, 13, 14, 15]
+    r = Request([1], out, 6, "length", [[t, 7] for t in out], [[-0.1, -2.5]] * 6)
+    # drafter right at positions 1, 2, 4, wrong at 3 and 5
+    pred = [0, 11, 12, 99, 14, 99]
+    # step at 1: k = min(3, 6-1-1) = 3, accepts 11, 12, rejects at 3 -> next pos 4
+    # step at 4: k = min(3, 6-4-1) = 1, accepts 14 -> next pos 6 = end
+    assert simulate_steps(r, pred, 3) == [(1, 3, 2), (4, 1, 1)]
+    trace = served_trace(r, pred, 3, "x", "d", "t")
+    assert [s.accepted for s in trace.steps] == [2, 1]
+    assert trace.steps[0].drafted == [11, 12, 99]
+    assert trace.steps[0].topk_ids == [13, 7]  # soft labels at the rejected position only
+    assert trace.steps[1].topk_ids is None
+
+
+def test_prompt_pools_are_deterministic_and_domain_specific():
+    assert prompt_pool("code", 5, seed=1) == prompt_pool("code", 5, seed=1)
+    assert all("Python" in p for p in prompt_pool("code", 20))
+    assert all("story" in p for p in prompt_pool("stories", 20))
+    with pytest.raises(ValueError, match="unknown domain"):
+        prompt_pool("poetry", 3)
+
+
+def test_recovery_is_requests_until_rolling_mal_reaches_90_percent_of_the_segments_final_level():
+    from bench.bench_adaptation import recovery
+
+    # segment 10..34: four requests at 1.0 right after the shift, then 2.0; final level 2.0, threshold 1.8.
+    # An 8-request rolling mean >= 1.8 allows at most one 1.0 in the window: first at the 11th request.
+    adapted = [1.5] * 10 + [1.0] * 4 + [2.0] * 20
+    assert recovery(adapted, 10, 34, 8) == 11
+    assert recovery([1.0] * 10 + [1.0] * 20, 10, 30, 8) == 8  # flat: recovered once the window is full
+    assert recovery([1.0] * 10 + [2.0] * 8 + [1.0] * 16, 10, 34, 8) == 8  # level 1.0 there; reached at once

@@ -1,0 +1,104 @@
+"""The whole loop on CPU (issue #4 point 11): stories260K served over HTTP with a weak derived 2-layer
+drafter as the initial champion; greedy traffic → memory stream → collector → SQLite store →
+trainer rounds fired by the real APScheduler trigger → MLflow store → hot-swap through
+RegistryDrafterSource. The served drafter version must change, the promoted candidate must beat
+the champion on held-out replay by MARGIN, served acceptance must rise by MARGIN, and every
+output must equal the target's own greedy output throughout."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from online.config import Config, DaemonConfig, ServeConfig, StreamConfig, TrainerConfig
+from online.daemon import Daemon
+from online.drafter_source import RegistryDrafterSource
+from online.registry import DrafterRegistry
+from online.store import Store
+from online.traffic import TrafficReport, run_traffic
+from runtime.drafters.none import NoDrafter
+from runtime.engine import SamplingParams, SpeculativeEngine
+
+# The weak derived drafter serves stories260K at mean acceptance length ~1.05; one 60-step round
+# on ~30 traces lifts held-out replay to ~3 (tests/test_trainer_round.py measures 3.2-3.9 with 32
+# training traces). +0.5 is far outside noise and far below the measured gain.
+MARGIN = 0.5
+MAX_TOKENS = 48
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(stories):
+    """60 prompts sampled from the target, and the target's own greedy continuation of each."""
+    plain = SpeculativeEngine.for_model(stories, NoDrafter())
+    prompts = [[1] + plain.generate([1], SamplingParams(max_new_tokens=12, temperature=1.0, seed=1000 + i)).output_ids
+               for i in range(60)]
+    return prompts, [plain.generate(p, SamplingParams(max_new_tokens=MAX_TOKENS)).output_ids for p in prompts]
+
+
+def test_the_loop_learns_from_live_traffic_and_stays_lossless(stories, stories_drafter_dir, prompts_and_reference,
+                                                               tmp_path):
+    from online.serving import start_serving
+    from online.stream import open_sink
+
+    prompts, reference = prompts_and_reference
+    cfg = Config(
+        data_dir=str(tmp_path),
+        stream=StreamConfig(kind="memory", topic=f"e2e-{uuid.uuid4().hex}"),
+        trainer=TrainerConfig(steps=60, promote_margin=MARGIN),
+        # only the new-traces trigger fires here (interval off), as the real scheduler runs it
+        daemon=DaemonConfig(interval_s=0, min_new_traces=30, check_interval_s=0.2, window_traces=40,
+                            holdout_traces=8, collector_poll_s=0.1),
+        serve=ServeConfig(port=0, poll_s=0.2, k=4),
+    )
+    registry = DrafterRegistry.from_config(cfg)
+    assert registry.bootstrap(stories_drafter_dir, target_model=stories.model_id) == 1
+    source = RegistryDrafterSource(registry, stories)
+    sink = open_sink(cfg)
+    store = Store.open(cfg.store_url())
+    daemon = Daemon(cfg, store=store, registry=DrafterRegistry.from_config(cfg), target=stories)
+    handle = start_serving(cfg, target=stories, drafter_source=source, sink=sink)
+    daemon.start()
+    try:
+        assert handle.swapper.version == "1"
+        before = run_traffic(handle.url, prompts[:30], rate=0, max_tokens=MAX_TOKENS, concurrency=2, on_line=None)
+        assert before.failed == 0, before.errors
+        wait_for(lambda: registry.champion_version() not in (None, 1), 60, "a trainer round to promote a candidate")
+        wait_for(lambda: handle.swapper.version != "1", 10, "the server to hot-swap the new champion")
+        after = run_traffic(handle.url, prompts[30:], rate=0, max_tokens=MAX_TOKENS, concurrency=2, on_line=None)
+        assert after.failed == 0, after.errors
+    finally:
+        handle.stop()
+        report = daemon.stop(timeout_s=30)
+        sink.close()
+    stored = store.count()
+    store.close()
+    assert report.round_finished
+
+    # lossless throughout, before, across and after the swap
+    for r in (before, after):
+        for c in r.completed:
+            assert c.output_ids == reference[c.index + (30 if r is after else 0)], f"request {c.index} diverged"
+    # the served version changed to what the registry promoted
+    promoted = [o for o in daemon.trainer.stats.history if o.status == "promoted"]
+    assert promoted and promoted[0].trigger == "new_traces"
+    assert before.versions() == ["1"] and set(after.versions()) == {handle.swapper.version}
+    assert handle.swapper.version == str(registry.champion_version()) == str(promoted[-1].version)
+    # held-out replay gain recorded by the round, and served acceptance rising by the same margin
+    o = promoted[0]
+    assert o.candidate_mean_acceptance_length >= o.champion_mean_acceptance_length + MARGIN
+    served_before, served_after = TrafficReport.mal(before.completed), TrafficReport.mal(after.completed)
+    assert served_after >= served_before + MARGIN, (served_before, served_after)
+    assert stored == 60  # every trace reached the store, each once
+    print(f"e2e: served mean acceptance length {served_before:.2f} -> {served_after:.2f}; held-out replay "
+          f"{o.champion_mean_acceptance_length:.2f} -> {o.candidate_mean_acceptance_length:.2f}; "
+          f"rounds {[x.status for x in daemon.trainer.stats.history]}")

@@ -1,0 +1,185 @@
+"""Hot-swap on the real stories260K: swaps between requests, pinned drafters, load failures, rollback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from runtime.adaptive import DraftLengthConfig
+from runtime.drafters.base import Drafter
+from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.lookup import PromptLookupDrafter
+from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.hotswap import DrafterRef, HotSwapper, RollbackConfig
+from runtime.slot import DrafterSlot
+from tests.serving_utils import FakeSource, hf_greedy, random_drafter
+
+PROMPTS = [
+    "Once upon a time, there was a dog named",
+    "Lily and Tom went to the park. Lily said,",
+    "The little bird was sad because",
+    "One day, a big bear",
+]
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def cases(stories):
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    return [(p, hf_greedy(stories.model, p, MAX_NEW)) for p in ids]
+
+
+def make(stories, drafter: Drafter, source: FakeSource, **kw):
+    slot = DrafterSlot(drafter)
+    engine = SpeculativeEngine.for_model(stories, slot, EngineConfig(draft=DraftLengthConfig(k=4)))
+    return engine, HotSwapper(slot, source, **kw)
+
+
+def test_swap_mid_request_keeps_the_pinned_drafter(stories, stories_drafter_dir, cases):
+    v1 = load_model_drafter(stories_drafter_dir, stories, version="v1")
+    v2 = load_model_drafter(stories_drafter_dir, stories, version="v2")
+    source = FakeSource({"v2": lambda: v2})
+    engine, swapper = make(stories, v1, source)
+    prompt, expected = cases[0]
+    seen: list[tuple[bool, bool]] = []
+
+    def on_tokens(_new: list[int]) -> None:
+        if swapper.version == "v1":
+            source.wanted = "v2"
+            assert swapper.poll_once().kind == "swap"
+        # from here on the slot serves v2, but this request still drafts with v1's KV cache
+        seen.append(("r1" in v1._requests, "r1" in v2._requests))
+
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), request_id="r1", on_tokens=on_tokens)
+    assert engine.slot.get() is v2
+    assert len(seen) > 2 and all(in_v1 and not in_v2 for in_v1, in_v2 in seen)
+    assert res.trace.drafter_version == "v1"
+    assert res.output_ids == expected
+    assert res.stats.drafted > 0
+    after = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+    assert after.trace.drafter_version == "v2" and after.output_ids == expected
+    assert swapper.swaps == 1 and swapper.max_pause_s > 0.0
+    assert swapper.status()["history"][-1]["kind"] == "swap"
+
+
+def test_greedy_outputs_identical_across_swaps(stories, stories_drafter_dir, cases):
+    source = FakeSource({
+        "v2": lambda: load_model_drafter(stories_drafter_dir, stories),
+        "v3": lambda: PromptLookupDrafter(),
+        "v4": lambda: load_model_drafter(stories_drafter_dir, stories),
+    })
+    engine, swapper = make(stories, load_model_drafter(stories_drafter_dir, stories, version="v1"), source)
+    versions = []
+    for want in ("v1", "v2", "v3", "v4"):
+        if want != "v1":
+            source.wanted = want
+            assert swapper.poll_once() is not None
+        for prompt, expected in cases:
+            res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+            assert res.output_ids == expected, f"output changed under drafter {want}"
+            versions.append(res.trace.drafter_version)
+    assert versions == [v for v in ("v1", "v2", "v3", "v4") for _ in cases]
+    assert swapper.swaps == 3 and swapper.poll_once() is None  # nothing new: no reload
+    assert source.loads == ["v2", "v3", "v4"]
+
+
+def test_load_failure_keeps_the_current_drafter(stories, stories_drafter_dir, cases):
+    def broken() -> Drafter:
+        return load_model_drafter(stories_drafter_dir / "missing", stories)
+
+    v1 = load_model_drafter(stories_drafter_dir, stories, version="v1")
+    source = FakeSource({"v2": broken})
+    engine, swapper = make(stories, v1, source)
+    source.wanted = "v2"
+    event = swapper.poll_once()
+    assert event.kind == "load_failed" and event.to_version == "v2" and "not found" in event.detail
+    assert engine.slot.get() is v1 and swapper.version == "v1"
+    assert swapper.load_failures == 1 and swapper.swaps == 0
+    assert swapper.poll_once() is None and source.loads == ["v2"]  # a failed version is not retried
+    prompt, expected = cases[1]
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+    assert res.output_ids == expected and res.trace.drafter_version == "v1"
+    assert swapper.status()["rejected_versions"] == ["v2"]
+
+
+def run_observed(engine, swapper, cases, n: int) -> list:
+    out = []
+    for i in range(n):
+        prompt, expected = cases[i % len(cases)]
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+        assert res.output_ids == expected
+        swapper.observe(res.trace.drafter_version, res.stats)
+        out.append(res)
+    return out
+
+
+def test_acceptance_collapse_rolls_back(stories, cases):
+    good = load_model_drafter(stories.path, stories, version="v1")  # the target itself: accepts nearly all
+    source = FakeSource({"bad": lambda: random_drafter(stories, stories.path)})
+    rb = RollbackConfig(window=6, min_requests=4, max_drop=0.5)
+    engine, swapper = make(stories, good, source, rollback=rb)
+    before = run_observed(engine, swapper, cases, 4)
+    good_mal = sum(r.stats.mean_acceptance_length for r in before) / len(before)
+    assert good_mal > 1.5  # the derived drafter is genuinely useful, so a collapse is measurable
+    source.wanted = "bad"
+    assert swapper.poll_once().kind == "swap" and swapper.version == "bad"
+    after = run_observed(engine, swapper, cases, 4)
+    assert [r.trace.drafter_version for r in after] == ["bad"] * 4  # judged only after min_requests
+    assert swapper.rollbacks == 1 and swapper.version == "v1" and engine.slot.get() is good
+    swapper.flush()  # the report runs off the engine thread
+    (version, reason, numbers), = source.rollbacks
+    assert version == "bad" and "collapsed" in reason
+    assert numbers["new_mean_acceptance_length"] < 1.0 + 0.5 * (numbers["previous_mean_acceptance_length"] - 1.0)
+    assert numbers["previous_mean_acceptance_length"] == pytest.approx(good_mal, abs=0.05)
+    assert swapper.events[-1].kind == "rollback" and swapper.events[-1].to_version == "v1"
+    assert swapper.poll_once() is None  # the source still names "bad"; it is not loaded again
+    assert run_observed(engine, swapper, cases, 1)[0].trace.drafter_version == "v1"
+
+
+def test_equal_quality_swap_does_not_roll_back(stories, cases):
+    source = FakeSource({"v2": lambda: load_model_drafter(stories.path, stories)})
+    engine, swapper = make(stories, load_model_drafter(stories.path, stories, version="v1"), source,
+                           rollback=RollbackConfig(window=6, min_requests=4, max_drop=0.5))
+    run_observed(engine, swapper, cases, 4)
+    source.wanted = "v2"
+    swapper.poll_once()
+    run_observed(engine, swapper, cases, 6)
+    assert swapper.rollbacks == 0 and swapper.version == "v2" and source.rollbacks == []
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s  # far below poll_s=60, so only trigger() can satisfy it
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_trigger_polls_early_and_stop_joins(stories, stories_drafter_dir):
+    v2 = PromptLookupDrafter(version="v2")
+    source = FakeSource({"v2": lambda: v2})
+    slot = DrafterSlot(load_model_drafter(stories_drafter_dir, stories, version="v1"))
+    swapper = HotSwapper(slot, source, poll_s=60.0)
+    swapper.start()
+    try:
+        assert wait_for(lambda: source.polls >= 1)  # the start-up poll saw nothing to do
+        source.wanted = "v2"
+        swapper.trigger()
+        assert wait_for(lambda: slot.get() is v2), "trigger() did not make the watcher poll early"
+        assert source.polls == 2
+    finally:
+        swapper.stop(timeout_s=5.0)
+    assert swapper._thread is None and swapper.version == "v2"
+
+
+def test_relabels_a_loaded_drafter_with_the_source_version(stories):
+    source = FakeSource({"7": lambda: PromptLookupDrafter(version="lookup")})
+    slot = DrafterSlot(PromptLookupDrafter(version="lookup"))
+    swapper = HotSwapper(slot, source, initial=DrafterRef("6"))
+    assert slot.get().version == "6"
+    source.wanted = "7"
+    swapper.poll_once()
+    assert slot.get().version == "7" and swapper.version == "7"

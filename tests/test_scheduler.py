@@ -1,0 +1,175 @@
+"""TrainerService: rounds never raise, failures are retried, rounds never overlap under the real
+APScheduler triggers, the new-traces trigger counts, and a drain abandons at the safe point."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from online.config import Config, ConfigError, DaemonConfig
+from online.registry import LocalDrafter, LoggedRound
+from online.scheduler import TrainerService
+from online.trainer.distill import NotEnoughData
+from online.trainer.round import TraceWindow
+
+
+class FakeStore:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+        self.windows = 0
+
+    def count(self, tag=None, after_id=0):
+        return self.n - after_id
+
+    def max_id(self):
+        return self.n
+
+    def training_window(self, limit, holdout, tag=None):
+        self.windows += 1
+        if self.n < 2:
+            raise NotEnoughData(f"{self.n} traces")
+        return TraceWindow([], [], start=max(1, self.n - limit + 1), end=self.n)
+
+
+class FakeRegistry:
+    def __init__(self, tmp: Path) -> None:
+        self.version = 1
+        self.logged: list = []
+        self.path = tmp
+
+    def champion(self):
+        return LocalDrafter(self.version, self.path)
+
+    def log_round(self, result, target_model="", promote=None):
+        self.logged.append(result)
+        v = len(self.logged) + 1
+        if result.promoted:
+            self.version = v
+        return LoggedRound(f"run-{v}", v, result.promoted)
+
+
+def fake_result(promoted: bool = True, mal: float = 2.0):
+    return SimpleNamespace(promoted=promoted, reason="fake verdict",
+                           candidate=SimpleNamespace(mean_acceptance_length=mal),
+                           champion=SimpleNamespace(mean_acceptance_length=1.5))
+
+
+def service(tmp_path, store, round_fn, **daemon) -> tuple[TrainerService, FakeRegistry]:
+    cfg = Config(data_dir=str(tmp_path), daemon=DaemonConfig(**daemon))
+    reg = FakeRegistry(tmp_path)
+    return TrainerService(cfg, store, reg, round_fn=round_fn), reg
+
+
+def test_a_failing_round_is_recorded_and_retried(tmp_path):
+    calls = []
+
+    def flaky(window, champion_dir, work, cfg, **kw):
+        calls.append(work)
+        if len(calls) == 1:
+            raise RuntimeError("disk full")
+        return fake_result()
+
+    svc, reg = service(tmp_path, FakeStore(50), flaky, min_new_traces=10, retry_backoff_s=0.2)
+    first = svc.run_round_once()
+    assert first.status == "failed" and "RuntimeError: disk full" in first.reason
+    assert svc.stats.failed == 1 and reg.logged == []
+    assert svc.check_new_traces() is None  # backing off
+    time.sleep(0.25)
+    second = svc.check_new_traces()
+    assert second is not None and second.status == "promoted" and second.version == 2
+    assert second.champion_version == 2 and reg.version == 2
+    assert svc.stats.consecutive_failures == 0 and svc.stats.promoted == 1
+    assert not any(Path(w).exists() for w in calls)  # work dirs are cleaned up either way
+
+
+def test_a_window_without_room_for_training_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="holdout_traces < window_traces"):
+        service(tmp_path, FakeStore(), fake_result, window_traces=10, holdout_traces=10)
+
+
+def test_not_enough_data_is_a_skip_not_a_failure(tmp_path):
+    svc, reg = service(tmp_path, FakeStore(1), lambda *a, **k: pytest.fail("must not train"), min_new_traces=1)
+    out = svc.run_round_once()
+    assert out.status == "skipped" and "1 traces" in out.reason
+    assert svc.stats.skipped == 1 and svc.stats.failed == 0
+    assert svc.check_new_traces() is None  # the skipped data does not count again
+
+
+def test_new_traces_trigger_waits_for_n_new_traces(tmp_path):
+    store = FakeStore(9)
+    svc, reg = service(tmp_path, store, lambda *a, **k: fake_result(promoted=False), min_new_traces=10)
+    assert svc.check_new_traces() is None and store.windows == 0
+    store.n = 10
+    out = svc.check_new_traces()
+    assert out.status == "not_promoted" and out.window_end == 10 and out.champion_version == 1
+    store.n = 19
+    assert svc.check_new_traces() is None and svc.new_traces() == 9
+    store.n = 20
+    assert svc.check_new_traces().status == "not_promoted"
+    assert len(reg.logged) == 2
+
+
+def test_rounds_never_overlap_under_the_real_scheduler(tmp_path):
+    active, peak, done = [0], [0], threading.Event()
+    lock = threading.Lock()
+
+    def slow(window, champion_dir, work, cfg, **kw):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.15)
+        with lock:
+            active[0] -= 1
+        return fake_result()
+
+    store = FakeStore(1000)
+    svc, reg = service(tmp_path, store, slow, interval_s=0.05, min_new_traces=1, check_interval_s=0.05)
+
+    def grow():  # new traffic keeps arriving so both triggers keep firing
+        while not done.is_set():
+            store.n += 5
+            time.sleep(0.01)
+
+    feeder = threading.Thread(target=grow)
+    feeder.start()
+    svc.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(reg.logged) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        assert svc.stop(timeout_s=5)
+        done.set()
+        feeder.join()
+    assert len(reg.logged) >= 4
+    assert peak[0] == 1
+    triggers = {o.trigger for o in svc.stats.history}
+    assert triggers & {"interval", "new_traces"}
+    n = len(reg.logged)
+    time.sleep(0.2)
+    assert len(reg.logged) == n  # stopped means stopped
+    assert svc.run_round_once().status == "stopped"
+
+
+def test_drain_abandons_a_long_round_before_it_registers(tmp_path):
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(window, champion_dir, work, cfg, **kw):
+        entered.set()
+        release.wait(10)
+        return fake_result()
+
+    svc, reg = service(tmp_path, FakeStore(50), blocking)
+    outcomes = []
+    t = threading.Thread(target=lambda: outcomes.append(svc.run_round_once()))
+    t.start()
+    assert entered.wait(5)
+    assert svc.stop(timeout_s=0.05) is False
+    release.set()
+    t.join(5)
+    assert outcomes[0].status == "stopped" and reg.logged == []
+    assert not svc.running

@@ -1,0 +1,30 @@
+"""`livedraft up --demo` as a real process on stories260K (the main job's wiring): it serves, collects,
+trains through the scheduler, hot-swaps, prints the acceptance per drafter version, drains, exits 0."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.models import stories_copy
+
+
+def test_up_demo_runs_the_whole_loop_and_exits_cleanly(tmp_path):
+    target = stories_copy(tmp_path)
+    env = {**os.environ}
+    env.pop("LIVEDRAFT_CONFIG", None)
+    cmd = [sys.executable, "-m", "online.cli", "up", "--demo", "--target", str(target), "--layers", "2",
+           "--data-dir", str(tmp_path / "data"), "--demo-seconds", "20", "--demo-max-seconds", "150"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "livedraft up: serving" in out and "livedraft traffic --url http://127.0.0.1:" in out
+    assert re.search(r"demo: \[\s*\d+s\] \d+ done, 0 failed", out)
+    rounds = re.search(r"(\d+) trainer rounds: ([a-z_, ]+);", out)
+    assert rounds and re.search(r"(^|, )promoted", rounds.group(2)), out
+    assert "round in flight finished" in out
+    versions = re.findall(r"version (\d+): ([\d.]+) over (\d+) requests", out)
+    assert versions[0][0] == "1" and len(versions) >= 2, out  # the served version changed
+    assert float(versions[-1][1]) > float(versions[0][1]), versions
