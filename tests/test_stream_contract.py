@@ -314,9 +314,9 @@ def test_emit_never_blocks_or_raises_when_the_backend_is_down(transport):
         sink.emit(e)
         slowest = max(slowest, time.perf_counter() - t)
     total = time.perf_counter() - t0
-    # Blocking on the backend would take a connect timeout (2 s) per call; the bounds leave room
-    # for a loaded machine descheduling the thread, not for I/O.
-    assert slowest < 0.25 and total < 0.5, f"emit blocked: slowest {slowest * 1e3:.1f} ms, total {total * 1e3:.1f} ms"
+    # Blocking on the backend would take a connect timeout (2 s) per call, 200 s in all; the
+    # bounds leave room for a loaded machine descheduling the thread, not for one such wait.
+    assert slowest < 1.0 and total < 1.5, f"emit blocked: slowest {slowest * 1e3:.1f} ms, total {total * 1e3:.1f} ms"
     assert sink.dropped == 80  # queue of 20: the rest were dropped and counted at once
     sink.flush(0.5)  # returns (with a log line), does not raise
     sink.close(0.5)
@@ -407,7 +407,7 @@ def test_kafka_sink_counts_delivery_failures_when_the_broker_dies(caplog):
     t = time.perf_counter()
     for e in late:
         sink.emit(e)  # the broker is gone: still returns at once
-    assert time.perf_counter() - t < 0.05
+    assert time.perf_counter() - t < 1.0  # blocking would wait max_block (5 s) or delivery (2 s)
     sink.flush(8.0)  # batches expire after delivery_timeout_s; errbacks count them
     assert sink.delivered == 5 and sink.failed == 5 and sink.dropped == 0
     assert any("Kafka delivery failed" in r.message for r in caplog.records)
