@@ -10,13 +10,13 @@ target to re-execute them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Drafter
-from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.engine import STOP_STRING, EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.replay_target import ReplayTarget
 from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
@@ -90,7 +90,7 @@ def replay_traces(
         # A request that stopped did so on its last token, which appears nowhere earlier.
         engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
         res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id,
-                              tag=t.tag)
+                              tag=t.tag, on_tokens=_until_logged_end(t) if t.finish_reason == STOP_STRING else None)
         report.outputs_match &= res.output_ids == t.output_ids
         report.stats = report.stats.merge(res.stats)
         tag = t.tag or "(none)"
@@ -99,6 +99,19 @@ def replay_traces(
             src = report.per_source.setdefault(s.source, SourceStats())
             src.steps, src.drafted, src.accepted = src.steps + 1, src.drafted + len(s.drafted), src.accepted + s.accepted
     return report
+
+
+def _until_logged_end(t: RequestTrace) -> Callable[[list[int]], bool]:
+    """Ends a replayed request where its caller ended it live (a stop string): after the step
+    that reached the logged output's length, exactly as the live on_tokens did."""
+    produced = 0
+
+    def on_tokens(new: list[int]) -> bool:
+        nonlocal produced
+        produced += len(new)
+        return produced >= len(t.output_ids)
+
+    return on_tokens
 
 
 def _max_new(t: RequestTrace) -> int:

@@ -27,6 +27,10 @@ from runtime.target import HFTarget, Target
 from runtime.trace import RequestTrace, StepRecord, Timings
 from runtime.verify import Verdict, verify_greedy, verify_sampling, warp
 
+# finish_reason of a request its caller ended early (on_tokens returned True), e.g. on a stop
+# string; "stop" stays EOS only: replay ends a "stop" request at its last token's first appearance.
+STOP_STRING = "stop_string"
+
 
 @dataclass
 class SamplingParams:
@@ -55,7 +59,7 @@ class GenerationResult:
     request_id: str
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS), "length" or STOP_STRING
     stats: RequestStats
     trace: RequestTrace
 
@@ -103,7 +107,12 @@ class SpeculativeEngine:
         tag: str | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
-        """Generates one completion; `on_tokens` receives each step's new tokens."""
+        """Generates one completion.
+
+        `on_tokens` receives each step's new tokens; when it returns True the request ends
+        after that step with finish_reason "stop_string" (the caller found a stop string:
+        the step's tokens are kept, so replay can end the request at the same step).
+        """
         params = params or SamplingParams()
         self.validate(prompt_ids, params)
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.config.draft)
@@ -116,12 +125,12 @@ class SpeculativeEngine:
                 first = self._choose(self.target.prefill(req.prompt), params, req.generator)
                 req.stats.prefill_s = time.perf_counter() - t0
                 new = req.append([first], self.eos_ids)
-                if on_tokens:
-                    on_tokens(new)
-                while req.finish is None:
+                while True:
+                    if on_tokens and on_tokens(new) and req.finish is None:
+                        req.finish = STOP_STRING
+                    if req.finish is not None:
+                        break
                     new = self._step(req, drafter)
-                    if on_tokens:
-                        on_tokens(new)
         finally:
             drafter.end(req.id)
         req.stats.total_s = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from runtime.engine import GenerationResult, SamplingParams, SpeculativeEngine
+from runtime.engine import STOP_STRING, GenerationResult, SamplingParams, SpeculativeEngine
 from runtime.errors import RequestError
 from runtime.fairqueue import FairQueue, QueueFull
 from runtime.hotswap import HotSwapper
@@ -136,6 +136,11 @@ def _number(body: dict, name: str, kind: type, default: Any) -> Any:
     if isinstance(v, bool) or not ok:
         raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
     return v
+
+
+def _finish_reason(ts: TextStream, res: GenerationResult) -> str:
+    """OpenAI's finish_reason: "stop" for EOS and for stop strings, else "length"."""
+    return "stop" if ts.stopped or res.finish_reason == STOP_STRING else res.finish_reason
 
 
 class TextStream:
@@ -268,11 +273,18 @@ class CompletionServer:
         if job.cancelled:
             return
 
-        def on_tokens(ids: list[int]) -> None:
+        # Stop strings end generation (no compute past them); the handler cuts the text itself.
+        stops = TextStream(self.tokenizer, job.req.stop) if job.req.stop else None
+
+        def on_tokens(ids: list[int]) -> bool:
             if job.cancelled:
                 raise _Cancelled
             if job.req.stream:
                 job.chunks.put(ids)
+            if stops is None:
+                return False
+            stops.push(ids)
+            return stops.stopped
 
         try:
             res = self.engine.generate(job.req.prompt_ids, job.req.params, request_id=job.id,
@@ -318,7 +330,7 @@ class CompletionServer:
         return {
             "id": job.id, "object": "text_completion", "created": int(job.created), "model": self.model_id,
             "choices": [{"text": text, "index": 0, "logprobs": None,
-                         "finish_reason": "stop" if ts.stopped else res.finish_reason}],
+                         "finish_reason": _finish_reason(ts, res)}],
             "usage": _usage(res), "livedraft": self.livedraft_info(res),
         }
 
@@ -462,7 +474,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return "bad_request" if status < 500 else "error"
             res = job.result
             self._event({**base, "choices": [{"text": ts.flush(), "index": 0, "logprobs": None,
-                                              "finish_reason": "stop" if ts.stopped else res.finish_reason}],
+                                              "finish_reason": _finish_reason(ts, res)}],
                          "usage": _usage(res), "livedraft": app.livedraft_info(res)})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()

@@ -8,7 +8,7 @@ from online.replay import replay_traces
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
-from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.engine import STOP_STRING, EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.sinks import MemorySink
 
 PROMPTS = [
@@ -21,18 +21,20 @@ PROMPTS = [
 
 @pytest.mark.parametrize("length", [DraftLengthConfig(k=4), DraftLengthConfig(k=6, adaptive=True)], ids=["k4", "adaptive"])
 @pytest.mark.parametrize("kind", ["model", "lookup"])
-@pytest.mark.parametrize("stop_on_period", [False, True], ids=["length", "stop"])
-def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, stop_on_period):
+@pytest.mark.parametrize("finish", ["length", "stop", STOP_STRING])
+def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, finish):
     def make():
         return load_model_drafter(stories_drafter_dir, stories) if kind == "model" else PromptLookupDrafter()
 
     sink = MemorySink()
     engine = SpeculativeEngine.for_model(stories, make(), EngineConfig(draft=length), sink=sink)
-    if stop_on_period:  # stories260K never emits EOS; "." as a stop token exercises finish_reason "stop"
+    if finish == "stop":  # stories260K never emits EOS; "." as a stop token exercises finish_reason "stop"
         engine.eos_ids = {stories.tokenizer.convert_tokens_to_ids(".")}
-    served = [engine.generate(stories.tokenizer(p).input_ids, SamplingParams(max_new_tokens=n))
+    # STOP_STRING: the caller ends each request mid-way, as a server does on a stop string
+    served = [engine.generate(stories.tokenizer(p).input_ids, SamplingParams(max_new_tokens=n),
+                              on_tokens=stop_after(n // 2) if finish == STOP_STRING else None)
               for p, n in zip(PROMPTS, (40, 64, 25, 80), strict=True)]
-    assert any(r.finish_reason == "stop" for r in served) == stop_on_period
+    assert any(r.finish_reason == finish for r in served)
     live = served[0].stats.total([r.stats for r in served])
 
     report = replay_traces(sink.events, make(), length=length, vocab_size=stories.vocab_size)
@@ -42,6 +44,29 @@ def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, stop_o
     assert report.stats.drafted == live.drafted
     assert report.stats.mean_acceptance_length == live.mean_acceptance_length
     assert report.stats.per_position_acceptance == live.per_position_acceptance
+
+
+def stop_after(n: int):
+    produced = 0
+
+    def on_tokens(new: list[int]) -> bool:
+        nonlocal produced
+        produced += len(new)
+        return produced >= n
+
+    return on_tokens
+
+
+def test_ending_a_request_early_keeps_the_step_and_stays_lossless(stories, stories_drafter_dir):
+    engine = SpeculativeEngine.for_model(stories, load_model_drafter(stories_drafter_dir, stories),
+                                         EngineConfig(draft=DraftLengthConfig(k=4)))
+    prompt = stories.tokenizer(PROMPTS[0]).input_ids
+    full = engine.generate(prompt, SamplingParams(max_new_tokens=48))
+    cut = engine.generate(prompt, SamplingParams(max_new_tokens=48), on_tokens=stop_after(20))
+    assert full.finish_reason == "length" and cut.finish_reason == STOP_STRING
+    assert 20 <= len(cut.output_ids) <= 20 + 4  # the whole step that reached 20 tokens, no further step
+    assert cut.output_ids == full.output_ids[: len(cut.output_ids)]
+    assert cut.trace.finish_reason == STOP_STRING and cut.stats.output_tokens == len(cut.output_ids)
 
 
 def test_model_free_replay_sizes_the_vocabulary_from_soft_labels() -> None:

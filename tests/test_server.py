@@ -23,6 +23,7 @@ from online.serving import start_serving
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.none import NoDrafter
+from runtime.engine import STOP_STRING
 from runtime.fairqueue import FairQueue, QueueFull
 from runtime.server import TextStream, parse_completion
 from runtime.sinks import MemorySink
@@ -123,14 +124,19 @@ def test_stream_sends_tokens_as_events(served, stories, expected):
 
 
 def test_stop_string_cuts_text_stream_and_non_stream_alike(served, stories, expected):
-    handle = served[0]
+    handle, _, sink = served
     prompt, want = list(expected.items())[0]
     full = stories.tokenizer.decode(want, skip_special_tokens=True)
     words = full.split()
-    stop = " " + words[len(words) // 2]
+    stop = " " + words[len(words) // 3]
     cut = full[: full.index(stop)]
     status, body = complete(handle.url, {"prompt": prompt, "max_tokens": MAX_NEW, "stop": [stop]})
     assert status == 200 and body["choices"][0]["text"] == cut and body["choices"][0]["finish_reason"] == "stop"
+    # generation itself ended at the stop string (the step that produced it is kept whole)
+    out = body["livedraft"]["output_ids"]
+    assert out == want[: len(out)] and len(out) < len(want) and body["usage"]["completion_tokens"] == len(out)
+    assert stop in stories.tokenizer.decode(out, skip_special_tokens=True)
+    assert [e.finish_reason for e in sink.events if e.request_id == body["id"]] == [STOP_STRING]
     status, text, _ = request(handle.url, "POST", "/v1/completions",
                               {"prompt": prompt, "max_tokens": MAX_NEW, "stop": stop, "stream": True})
     events = sse_events(text)
