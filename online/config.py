@@ -46,6 +46,9 @@ class StreamConfig:
     kafka_heartbeat_interval_ms: int = 1000
     sql_url: str = ""  # embedded stream (kind "sql"): its database; empty = the store's URL
     sql_poll_interval_s: float = 0.05  # embedded stream: how often an idle consumer re-reads the log
+    # embedded stream: the daemon prunes records older than this that every consumer group has
+    # committed past (the store keeps the traces); 0 = keep forever
+    sql_retention_hours: float = 168.0
 
 
 @dataclass

@@ -8,6 +8,9 @@ in one process. `start()` returns at once; `stop()` drains:
    safe point (it registers nothing; its traces stay in the store for the next start).
 
 Nothing is lost at any step: the stream offset is committed only after the store write.
+
+With the embedded stream, the daemon also applies `stream.sql_retention_hours`: records older
+than that which every consumer group has committed past are removed (online.stream.sql.prune).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from online.scheduler import TrainerService
 from runtime.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+PRUNE_EVERY_S = 600.0  # how often the daemon applies the embedded stream's retention
 
 
 @dataclass
@@ -60,11 +65,15 @@ class Daemon:
         self.cache = _cache_maintainer(cfg) if cache and cfg.daemon.cache else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pruner: threading.Thread | None = None
 
     def start(self) -> None:
         """Starts the collector thread, the trainer schedule and the cache maintainer; returns at once."""
         self._thread = threading.Thread(target=self._collect, name="livedraft-collector", daemon=True)
         self._thread.start()
+        if self._stream_store() is not None and self.cfg.stream.sql_retention_hours > 0:
+            self._pruner = threading.Thread(target=self._prune, name="livedraft-stream-pruner", daemon=True)
+            self._pruner.start()
         if self.trainer is not None:
             self.trainer.start()
         if self.cache is not None:
@@ -80,6 +89,24 @@ class Daemon:
                 log.exception("daemon: collector loop failed; restarting it in 1s")
                 self._stop.wait(1.0)
 
+    def _stream_store(self) -> Any:
+        """The embedded stream's store (None for Kafka/memory streams)."""
+        from online.stream.sql import SqlSource
+
+        return self.source.store if isinstance(self.source, SqlSource) else None
+
+    def _prune(self) -> None:
+        """Applies stream.sql_retention_hours to the embedded stream: at start, then every
+        PRUNE_EVERY_S. Failures are logged; the next pass retries."""
+        from online.stream.sql import prune
+
+        while not self._stop.is_set():
+            try:
+                prune(self._stream_store(), self.cfg.stream.sql_retention_hours * 3600, stop=self._stop)
+            except Exception:
+                log.exception("daemon: pruning the embedded stream failed; retrying in %.0fs", PRUNE_EVERY_S)
+            self._stop.wait(PRUNE_EVERY_S)
+
     def stop(self, timeout_s: float | None = None) -> DrainReport:
         """Drains as described in the module docstring. Blocks up to ~timeout_s (default
         daemon.drain_timeout_s) for a running round, plus the final collector pass."""
@@ -89,6 +116,8 @@ class Daemon:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s + 30)
+        if self._pruner is not None:
+            self._pruner.join(timeout_s + 30)  # a pass in progress finishes its chunk
         collected = 0
         try:
             collected = self.collector.drain().collected

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from online.config import load_config
@@ -20,7 +21,7 @@ from online.events import decode_trace
 from online.store import Store
 from online.store import models as m
 from online.stream import open_sink, open_source
-from online.stream.sql import SqlSink, SqlSource, append
+from online.stream.sql import SqlSink, SqlSource, append, consumer_groups, drop_group, prune
 from online.synthetic import synthetic_trace
 from tests.store_fixtures import store, store_url  # noqa: F401
 
@@ -191,3 +192,96 @@ def test_acknowledged_events_survive_sigkill(store_url):
     ids = [decode_trace(p).event_id for p in payloads]  # nothing half-written either
     assert ids[:acked] == [f"ev-{i}" for i in range(acked)]
     assert len(ids) == len(set(ids))
+
+
+def stream_ids(store):
+    t = m.StreamEvent.__table__
+    with store.engine.connect() as conn:
+        return conn.execute(sa.select(t.c.id).order_by(t.c.id)).scalars().all()
+
+
+def consume(store, group, n):
+    src = SqlSource(store, group)
+    got = src.poll(n, 1.0)
+    assert len(got) == n
+    src.commit()
+    return got[-1].offset + 1
+
+
+def test_prune_removes_only_old_records_every_group_consumed(store):
+    ids = append(store, [(None, b"x%d" % i) for i in range(10)])
+    later = time.time() + 2 * 3600  # two hours on: every record is older than a 1 h retention
+    assert prune(store, 3600, now=later).deleted == 0  # no group has consumed anything yet
+    floor = consume(store, "collector", 6)
+    consume(store, "cache", 3)
+    consume(store, "cache", 5)  # 8 in all
+    assert prune(store, 3600).deleted == 0  # consumed, but younger than the retention
+    res = prune(store, 3600, now=later, chunk=2)  # several chunks
+    assert (res.deleted, res.floor) == (6, floor) and floor == ids[6]  # the collector's next offset
+    assert stream_ids(store) == ids[6:]
+    assert res.held_by == ["collector"]  # it had not committed for over the retention (at `later`)
+
+    # the groups read on from where they were; a new group starts at what is left
+    assert [r.offset for r in SqlSource(store, "collector").poll(100, 0.1)] == ids[6:]
+    assert [r.offset for r in SqlSource(store, "new").poll(100, 0.1)] == ids[6:]
+
+
+def test_drop_group_releases_what_it_held_back(store):
+    ids = append(store, [(None, b"x%d" % i) for i in range(6)])
+    consume(store, "stuck", 2)
+    consume(store, "collector", 6)
+    later = time.time() + 2 * 3600
+    assert prune(store, 3600, now=later).deleted == 2
+    assert [g["group"] for g in consumer_groups(store)] == ["collector", "stuck"]
+    assert {g["group"]: g["lag"] for g in consumer_groups(store)} == {"collector": 0, "stuck": 4}
+    assert drop_group(store, "stuck") and not drop_group(store, "stuck")
+    assert prune(store, 3600, now=later).deleted == 4
+    assert stream_ids(store) == [] and ids
+
+
+def test_prune_refuses_a_non_positive_retention(store):
+    with pytest.raises(ValueError, match="retention"):
+        prune(store, 0)
+
+
+def test_db_cli_lists_drops_and_prunes(tmp_path, capsys):
+    from online.cli import main
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with Store.open(url) as s:
+        append(s, [(None, b"x")] * 3)
+        consume(s, "collector", 3)
+    assert main(["db", "--url", url, "groups"]) == 0
+    assert "collector: next offset 4, lag 0" in capsys.readouterr().out
+    assert main(["db", "--url", url, "prune", "--retention-hours", "1"]) == 0
+    assert "pruned 0 records older than 1 h" in capsys.readouterr().out  # all younger than 1 h
+    assert main(["db", "--url", url, "drop-group", "nope"]) == 1
+    assert main(["db", "--url", url, "drop-group", "collector"]) == 0
+    assert main(["db", "--url", url, "groups"]) == 0
+    assert "no consumer group has committed yet" in capsys.readouterr().out
+
+
+def test_daemon_prunes_what_it_collected(tmp_path, monkeypatch):
+    import online.daemon
+    from online.config import Config, DaemonConfig, StreamConfig
+    from online.daemon import Daemon
+
+    monkeypatch.setattr(online.daemon, "PRUNE_EVERY_S", 0.1)
+    cfg = Config(data_dir=str(tmp_path), stream=StreamConfig(sql_retention_hours=1e-6),  # 3.6 ms
+                 daemon=DaemonConfig(cache=False))
+    store = Store.open(cfg.store_url())
+    daemon = Daemon(cfg, store=store, trainer=False)
+    sink = open_sink(cfg)
+    daemon.start()
+    try:
+        for t in traces(20, 4):
+            sink.emit(t)
+        assert sink.flush(10)
+        deadline = time.monotonic() + 30
+        while (store.count() < 20 or stream_ids(daemon.source.store)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.count() == 20 and stream_ids(daemon.source.store) == []
+    finally:
+        sink.close()
+        daemon.stop(timeout_s=10)
+    store.close()

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
@@ -54,6 +55,76 @@ def append(store: Store, records: Sequence[tuple[str | None, bytes]]) -> list[in
     with _appended:
         _appended.notify_all()
     return list(ids)
+
+
+@dataclass
+class PruneResult:
+    deleted: int  # stream records removed
+    floor: int  # the lowest offset any consumer group still needs (nothing at or above it is removed)
+    held_by: list[str]  # groups idle longer than the retention that hold old records back
+
+
+def prune(store: Store, retention_s: float, *, now: float | None = None, chunk: int = 10000,
+          stop: threading.Event | None = None) -> PruneResult:
+    """Removes records older than `retention_s` that every consumer group has committed past.
+
+    The embedded stream is a transport, not the archive: the collector stores every event
+    in the store's tables and cache snapshots carry their own offsets, so consumed records
+    only take space. Unlike Kafka's retention, a record no group has consumed yet is kept
+    however old (the daemon may have been down longer than the retention), and so is every
+    record before the offset of a group that stopped consuming: such groups are reported in
+    `held_by` (drop one with `livedraft db drop-group NAME`). Deletes in chunks of `chunk`
+    rows, one transaction each, so writers are never locked out for long; `stop` set ends the
+    pass after the current chunk.
+    """
+    if retention_s <= 0:
+        raise ValueError(f"retention must be > 0 seconds, got {retention_s}")
+    now = time.time() if now is None else now
+    cutoff = now - retention_s
+    t, o = m.StreamEvent.__table__, m.ConsumerOffset.__table__
+    with store.engine.connect() as conn:
+        groups = conn.execute(sa.select(o.c.consumer_group, o.c.next_offset, o.c.updated_at)
+                              .where(o.c.partition == PARTITION)).all()
+    if not groups:
+        return PruneResult(0, 0, [])  # nothing consumed yet: everything is still needed
+    floor = min(g.next_offset for g in groups)
+    held_by = sorted(g.consumer_group for g in groups if g.next_offset == floor and g.updated_at < cutoff)
+    deleted = 0
+    while True:
+        ids = sa.select(t.c.id).where(t.c.id < floor, t.c.at < cutoff).order_by(t.c.id).limit(chunk)
+        with store.engine.begin() as conn:
+            n = conn.execute(sa.delete(t).where(t.c.id.in_(ids.scalar_subquery()))).rowcount
+        deleted += n
+        if n < chunk or (stop is not None and stop.is_set()):
+            break
+    if deleted:
+        log.info("embedded stream: pruned %d records older than %.1f h (consumed by every group)",
+                 deleted, retention_s / 3600)
+    if held_by:
+        log.warning("embedded stream: consumer group(s) %s have not committed for over %.1f h and hold "
+                    "records before offset %d back from pruning; drop a group that is gone with "
+                    "`livedraft db drop-group NAME`", ", ".join(held_by), retention_s / 3600, floor)
+    return PruneResult(deleted, floor, held_by)
+
+
+def drop_group(store: Store, group: str) -> bool:
+    """Forgets consumer group `group`'s offsets (it then no longer holds back pruning).
+    True when the group existed."""
+    o = m.ConsumerOffset.__table__
+    with store.engine.begin() as conn:
+        return conn.execute(sa.delete(o).where(o.c.consumer_group == group)).rowcount > 0
+
+
+def consumer_groups(store: Store) -> list[dict]:
+    """Each group's next offset, lag (records at or after it) and last commit time."""
+    t, o = m.StreamEvent.__table__, m.ConsumerOffset.__table__
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.select(o.c.consumer_group, o.c.next_offset, o.c.updated_at)
+                            .where(o.c.partition == PARTITION).order_by(o.c.consumer_group)).all()
+        lag = {r.consumer_group: conn.execute(sa.select(sa.func.count()).select_from(t)
+                                              .where(t.c.id >= r.next_offset)).scalar() for r in rows}
+    return [{"group": r.consumer_group, "next_offset": r.next_offset, "lag": lag[r.consumer_group],
+             "updated_at": r.updated_at} for r in rows]
 
 
 class SqlSink:
