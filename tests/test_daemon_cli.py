@@ -9,8 +9,11 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from online.cache import snapshot_paths
 from online.config import Config, DaemonConfig
@@ -96,3 +99,22 @@ def test_daemon_survives_a_trainer_without_a_champion(tmp_path: Path):
     assert report.round_finished
     assert stream.committed("g") == 12
     store.close()
+
+
+def test_stop_signals_drain_first_and_quit_on_the_second():
+    """`daemon`, `up` and `serve` share this: SIGTERM/SIGINT asks for a drain; a second signal
+    during the drain interrupts it (KeyboardInterrupt, exit 130); the old handlers come back."""
+    from online.commands.daemon import install_stop_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here, at once
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 
+from online.commands.daemon import install_stop_signals
 from online.config import load_config
 from runtime.errors import LivedraftError
 
@@ -64,13 +64,15 @@ def run(args: argparse.Namespace) -> int:
         sink.close()
         raise
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    restore = install_stop_signals(stop)  # the first signal drains; a second one quits at once
     print(f"livedraft serve: {target.model_id} on {handle.url} (drafter {handle.server.drafter_version()}); "
           "POST /v1/completions, GET /metrics, GET /v1/drafter; Ctrl-C to stop", flush=True)
     stop.wait()
     log.info("draining (up to %.0fs) ...", s.drain_timeout_s)
-    drained = handle.stop(s.drain_timeout_s)
-    sink.close(s.drain_timeout_s)
+    try:
+        drained = handle.stop(s.drain_timeout_s)
+        sink.close(s.drain_timeout_s)
+    finally:
+        restore()
     print(f"livedraft serve: stopped ({'drained' if drained else 'requests were still running'})", flush=True)
     return 0 if drained else 1
