@@ -111,22 +111,12 @@ def test_model_drafter_rolls_back_its_cache():
 def test_concurrent_model_loads_do_not_break_each_other(stories) -> None:
     """The hot-swapper and the trainer load drafters from different threads at once; transformers'
     meta-device init is process-global, so unserialised loads fail with meta-tensor errors."""
-    import threading
-
     from runtime.loader import load_model
+    from tests.serving_utils import run_threads
 
-    errors: list[BaseException] = []
-
-    def load() -> None:
+    def load(_: int) -> None:
         for _ in range(2):
-            try:
-                load_model(stories.path)
-            except BaseException as e:  # noqa: BLE001 - collected and asserted below
-                errors.append(e)
+            load_model(stories.path)
 
-    threads = [threading.Thread(target=load) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(4, load)
     assert not errors, errors[:1]

@@ -20,6 +20,7 @@ from online.store.models import Base
 from online.synthetic import synthetic_trace
 from online.trainer.distill import NotEnoughData
 from runtime.errors import LivedraftError
+from tests.serving_utils import run_threads
 from tests.store_fixtures import store, store_url  # noqa: F401
 
 
@@ -42,21 +43,13 @@ def test_migrations_from_empty_create_exactly_the_models(store_url):
 
 def test_concurrent_opens_of_a_new_sqlite_file_all_migrate(tmp_path):
     url = f"sqlite:///{tmp_path / 'new' / 'x.db'}"
-    errors, barrier = [], threading.Barrier(4)
+    barrier = threading.Barrier(4)
 
-    def opener():
-        try:
-            barrier.wait()
-            Store.open(url).close()
-        except Exception as e:
-            errors.append(e)
+    def opener(_: int) -> None:
+        barrier.wait()
+        Store.open(url).close()
 
-    threads = [threading.Thread(target=opener) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_threads(4, opener) == []
     with Store.open(url) as s:
         assert s.revision() == head_revision()
 

@@ -169,6 +169,18 @@ def drain(source, n: int, timeout_s: float = 20.0, settle_s: float = 0.3) -> lis
     return got
 
 
+def round_trip(transport, events, group: str) -> list[Record]:
+    """Emits `events` through a new sink and drains them with a new consumer of `group`."""
+    sink = transport.sink()
+    emit_all(sink, events)
+    source = transport.source(group)
+    try:
+        return drain(source, len(events))
+    finally:
+        source.close()
+        sink.close()
+
+
 def by_event_id(records: list[Record]) -> dict[str, Record]:
     out = {}
     for r in records:
@@ -183,14 +195,7 @@ def by_event_id(records: list[Record]) -> dict[str, Record]:
 
 def test_emitted_traces_come_back_exactly(transport):
     sent = traces(40)
-    sink = transport.sink()
-    emit_all(sink, sent)
-    source = transport.source("g-roundtrip")
-    try:
-        got = drain(source, len(sent))
-    finally:
-        source.close()
-        sink.close()
+    got = round_trip(transport, sent, "g-roundtrip")
     assert len(got) == len(sent)
     decoded = {decode_trace(r.payload).event_id: (r, decode_trace(r.payload)) for r in got}
     for t in sent:
@@ -281,14 +286,7 @@ def test_malformed_payloads_reach_the_consumer_as_dead_letters(transport):
 
 def test_seek_restarts_each_partition_at_the_given_offset(transport):
     sent = traces(30, seed=5)
-    sink = transport.sink()
-    emit_all(sink, sent)
-    first = transport.source("g-seek-1")
-    try:
-        everything = drain(first, len(sent))
-    finally:
-        first.close()
-        sink.close()
+    everything = round_trip(transport, sent, "g-seek-1")
     per_partition: dict[int, list[int]] = {}
     for r in everything:
         per_partition.setdefault(r.partition, []).append(r.offset)
