@@ -105,7 +105,7 @@ class SpeculativeEngine:
         *,
         request_id: str | None = None,
         tag: str | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
     ) -> GenerationResult:
         """Generates one completion.
 

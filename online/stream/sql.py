@@ -81,14 +81,13 @@ def prune(store: Store, retention_s: float, *, now: float | None = None, chunk: 
         raise ValueError(f"retention must be > 0 seconds, got {retention_s}")
     now = time.time() if now is None else now
     cutoff = now - retention_s
-    t, o = m.StreamEvent.__table__, m.ConsumerOffset.__table__
+    t = m.StreamEvent.__table__
     with store.engine.connect() as conn:
-        groups = conn.execute(sa.select(o.c.consumer_group, o.c.next_offset, o.c.updated_at)
-                              .where(o.c.partition == PARTITION)).all()
+        groups = _group_offsets(conn)
     if not groups:
         return PruneResult(0, 0, [])  # nothing consumed yet: everything is still needed
     floor = min(g.next_offset for g in groups)
-    held_by = sorted(g.consumer_group for g in groups if g.next_offset == floor and g.updated_at < cutoff)
+    held_by = [g.consumer_group for g in groups if g.next_offset == floor and g.updated_at < cutoff]
     deleted = 0
     while True:
         ids = sa.select(t.c.id).where(t.c.id < floor, t.c.at < cutoff).order_by(t.c.id).limit(chunk)
@@ -115,12 +114,18 @@ def drop_group(store: Store, group: str) -> bool:
         return conn.execute(sa.delete(o).where(o.c.consumer_group == group)).rowcount > 0
 
 
+def _group_offsets(conn: sa.Connection) -> list[sa.Row]:
+    """(consumer_group, next_offset, updated_at) of every group, by name."""
+    o = m.ConsumerOffset.__table__
+    return conn.execute(sa.select(o.c.consumer_group, o.c.next_offset, o.c.updated_at)
+                        .where(o.c.partition == PARTITION).order_by(o.c.consumer_group)).all()
+
+
 def consumer_groups(store: Store) -> list[dict]:
     """Each group's next offset, lag (records at or after it) and last commit time."""
-    t, o = m.StreamEvent.__table__, m.ConsumerOffset.__table__
+    t = m.StreamEvent.__table__
     with store.engine.connect() as conn:
-        rows = conn.execute(sa.select(o.c.consumer_group, o.c.next_offset, o.c.updated_at)
-                            .where(o.c.partition == PARTITION).order_by(o.c.consumer_group)).all()
+        rows = _group_offsets(conn)
         lag = {r.consumer_group: conn.execute(sa.select(sa.func.count()).select_from(t)
                                               .where(t.c.id >= r.next_offset)).scalar() for r in rows}
     return [{"group": r.consumer_group, "next_offset": r.next_offset, "lag": lag[r.consumer_group],
