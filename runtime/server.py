@@ -69,7 +69,9 @@ class _Job:
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
     queued_at: float = field(default_factory=time.perf_counter)
-    chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # token lists, then _DONE
+    # (token ids, their text or None), then _DONE; the text is there when the worker decoded it
+    chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    text: TextStream | None = None  # the completion's text, decoded by one thread at a time
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     result: GenerationResult | None = None
@@ -273,18 +275,17 @@ class CompletionServer:
         if job.cancelled:
             return
 
-        # Stop strings end generation (no compute past them); the handler cuts the text itself.
-        stops = TextStream(self.tokenizer, job.req.stop) if job.req.stop else None
+        # With stop strings the worker decodes as it goes, so generation ends at one; the
+        # handler then uses this text. Without, the handler thread decodes (off the engine loop).
+        ts = job.text = TextStream(self.tokenizer, job.req.stop)
 
         def on_tokens(ids: list[int]) -> bool:
             if job.cancelled:
                 raise _Cancelled
+            text = ts.push(ids) if job.req.stop else None
             if job.req.stream:
-                job.chunks.put(ids)
-            if stops is None:
-                return False
-            stops.push(ids)
-            return stops.stopped
+                job.chunks.put((ids, text))
+            return ts.stopped
 
         try:
             res = self.engine.generate(job.req.prompt_ids, job.req.params, request_id=job.id,
@@ -324,12 +325,12 @@ class CompletionServer:
             self._inflight_cond.notify_all()
 
     def response(self, job: _Job) -> dict[str, Any]:
-        res = job.result
-        ts = TextStream(self.tokenizer, job.req.stop)
-        text = ts.push(res.output_ids) + ts.flush()
+        res, ts = job.result, job.text
+        if not job.req.stop:
+            ts.push(res.output_ids)  # one decode of the whole output
         return {
             "id": job.id, "object": "text_completion", "created": int(job.created), "model": self.model_id,
-            "choices": [{"text": text, "index": 0, "logprobs": None,
+            "choices": [{"text": ts.text, "index": 0, "logprobs": None,
                          "finish_reason": _finish_reason(ts, res)}],
             "usage": _usage(res), "livedraft": self.livedraft_info(res),
         }
@@ -449,22 +450,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        ts = TextStream(app.tokenizer, job.req.stop)
         deadline = time.monotonic() + app.options.request_timeout_s
         base = {"id": job.id, "object": "text_completion", "created": int(job.created), "model": app.model_id}
         try:
             while True:
                 try:
-                    ids = job.chunks.get(timeout=max(0.0, deadline - time.monotonic()))
+                    chunk = job.chunks.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     job.cancelled = True
                     self._event({"error": {"message": "the request timed out", "type": "timeout"}})
                     return "error"
-                if ids is _DONE:
+                if chunk is _DONE:
                     break
-                if ts.stopped:
-                    continue  # past a stop string: the engine finishes the request, nothing more is sent
-                text = ts.push(ids)
+                ids, text = chunk
+                if text is None:
+                    text = job.text.push(ids)
                 self._event({**base, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
                              "livedraft": {"token_ids": ids}})
             job.done.wait()
@@ -472,7 +472,7 @@ class _Handler(BaseHTTPRequestHandler):
                 status, kind, msg = job.error or (503, "server_overloaded", "dropped while the server shut down")
                 self._event({"error": {"message": msg, "type": kind}})
                 return "bad_request" if status < 500 else "error"
-            res = job.result
+            res, ts = job.result, job.text
             self._event({**base, "choices": [{"text": ts.flush(), "index": 0, "logprobs": None,
                                               "finish_reason": _finish_reason(ts, res)}],
                          "usage": _usage(res), "livedraft": app.livedraft_info(res)})
