@@ -71,13 +71,12 @@ class KVBuffer:
 
 
 class FastLlama:
-    """Runs a Llama model one sequence at a time over a `KVBuffer`.
-
-    `head` optionally replaces the LM head (a VocabTrim head: [V', hidden]).
+    """Runs a Llama model one sequence at a time over a `KVBuffer` (with the model's own LM
+    head: a VocabTrim drafter swaps its trimmed head in before building this).
     Raises ValueError for a model `unsupported_reason` rejects.
     """
 
-    def __init__(self, model: PreTrainedModel, head: torch.nn.Linear | None = None) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"FastLlama cannot run this model: {reason}")
@@ -98,7 +97,7 @@ class FastLlama:
             for layer in inner.layers
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head = _wb(head if head is not None else model.get_output_embeddings())
+        self.head = _wb(model.get_output_embeddings())
         rotary = inner.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float().to(self.embed.device)
         self._rope_scale = float(getattr(rotary, "attention_scaling", 1.0))

@@ -71,11 +71,6 @@ class ServerMetrics:
             self._by_version[version] = stats if prev is None else prev.merge(stats)
         self.latency.observe(latency_s)
 
-    def totals(self) -> RequestStats:
-        """All finished generations, all versions."""
-        with self._lock:
-            return RequestStats.total(list(self._by_version.values()))
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -77,9 +77,6 @@ class NGramTable(SnapshotMixin):
     def num_contexts(self, tag: str | None = None) -> int:
         return len(self._tables.get(self._key(tag), ()))
 
-    def _key(self, tag: str | None) -> str | None:
-        return tag if self.config.tag_scoped else None
-
     def add_sequence(self, tokens: Sequence[int], tag: str | None = None) -> None:
         """Counts a finished output, evicting (un-counting) the oldest past the bounds."""
         toks = self._log.clip(intern_tokens(tokens))

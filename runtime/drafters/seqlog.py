@@ -169,7 +169,7 @@ class SnapshotMixin:
     """Snapshot/restore for a bounded cache of whole sequences (SuffixCache, NGramTable).
 
     The host class has `SNAPSHOT_KIND`, `CONFIG` (its config dataclass, with
-    `max_sequences` and `max_tokens`) and `add_sequence(tokens, tag)`, and calls
+    `max_sequences`, `max_tokens` and `tag_scoped`) and `add_sequence(tokens, tag)`, and calls
     `_init_sequences(config)` from `__init__` for the shared state.
     A snapshot is the sequences in FIFO order: restoring replays them, so the rebuilt
     structure (counts, eviction order) equals the one snapshotted.
@@ -186,6 +186,10 @@ class SnapshotMixin:
         self.stream_offsets = {}
         self._log = SequenceLog(config.max_sequences, config.max_tokens)
         self._lock = threading.Lock()  # every read and every chunk of a write
+
+    def _key(self, tag: str | None) -> str | None:
+        """The global structure a tag reads and writes (one per tag when `tag_scoped`)."""
+        return tag if self.config.tag_scoped else None
 
     @property
     def num_sequences(self) -> int:

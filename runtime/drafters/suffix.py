@@ -75,7 +75,7 @@ class NGramDrafter:
         self._tags[req_id] = tag
 
     def speculate(self, req_id: str, context_ids: list[int], max_tokens: int) -> Speculation:
-        return self.table.speculate(context_ids[-self.table.config.max_n:], max_tokens, tag=self._tag(req_id))
+        return self.table.speculate(context_ids, max_tokens, tag=self._tag(req_id))
 
     def propose(self, req_id: str, context_ids: list[int], max_tokens: int, **_: object) -> Draft:
         return Draft(self.speculate(req_id, context_ids, max_tokens).tokens, "ngram")

@@ -480,9 +480,6 @@ class SuffixCache(SnapshotMixin):
             if not len(tree):
                 del self._trees[key]
 
-    def _key(self, tag: str | None) -> str | None:
-        return tag if self.config.tag_scoped else None
-
     # -- per request ----------------------------------------------------------------------
 
     def start_request(self, req_id: str, prompt_ids: Sequence[int], *, tag: str | None = None) -> None:
@@ -511,18 +508,15 @@ class SuffixCache(SnapshotMixin):
         with self._lock:
             return self._get(req_id).tokens
 
-    def speculate(
-        self, req_id: str, max_tokens: int, *, min_token_prob: float | None = None
-    ) -> Speculation:
+    def speculate(self, req_id: str, max_tokens: int) -> Speculation:
         """Best draft continuing the request's tokens, from its own tree or the global one
         (its tag's); the request's own tree wins ties."""
         cfg = self.config
-        min_prob = cfg.min_token_prob if min_token_prob is None else min_token_prob
         with self._lock:
             st = self._get(req_id)
             if max_tokens <= 0:
                 return Speculation()
-            args = (max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, min_prob)
+            args = (max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob)
             best = st.tree.speculate(st.tree.open_state(st.uid), *args)
             best.origin = "request" if best.tokens else ""
             tree = self._trees.get(self._key(st.tag))
