@@ -72,9 +72,12 @@ def replay_traces(
     length: DraftLengthConfig | None = None,
     vocab_size: int | None = None,
     cost_ratio: float = 0.1,
+    after_each: Callable[[RequestTrace], None] | None = None,
 ) -> ReplayReport:
-    """Teacher-forced replay of greedy traces. `vocab_size` defaults to the drafter's
-    target vocab (model drafters) or the largest logged token id + 1."""
+    """Teacher-forced replay of greedy traces, in order. `vocab_size` defaults to the drafter's
+    target vocab (model drafters) or the largest logged token id + 1. `after_each(trace)` runs
+    after each greedy trace (e.g. adds its output to a global cache, so request i drafts from
+    requests < i as a live replica tailing the log would)."""
     traces = list(traces)
     greedy = [t for t in traces if t.greedy]
     vocab = vocab_size or getattr(drafter, "target_vocab_size", None) or _max_id(greedy) + 1
@@ -84,21 +87,26 @@ def replay_traces(
     report = ReplayReport(str(getattr(drafter, "version", "?")), RequestStats(requests=0),
                           skipped_sampled=len(traces) - len(greedy), cost_ratio=cost_ratio)
     for t in greedy:
-        if not t.output_ids or not t.prompt_ids:
-            continue
-        target.load(t)
-        # A request that stopped did so on its last token, which appears nowhere earlier.
-        engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
-        res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id,
-                              tag=t.tag, on_tokens=_until_logged_end(t) if t.finish_reason == STOP_STRING else None)
-        report.outputs_match &= res.output_ids == t.output_ids
-        report.stats = report.stats.merge(res.stats)
-        tag = t.tag or "(none)"
-        report.per_tag[tag] = report.per_tag.get(tag, RequestStats(requests=0)).merge(res.stats)
-        for s in res.trace.steps:
-            src = report.per_source.setdefault(s.source, SourceStats())
-            src.steps, src.drafted, src.accepted = src.steps + 1, src.drafted + len(s.drafted), src.accepted + s.accepted
+        if t.output_ids and t.prompt_ids:
+            _replay_one(engine, target, t, report)
+        if after_each is not None:
+            after_each(t)
     return report
+
+
+def _replay_one(engine: SpeculativeEngine, target: ReplayTarget, t: RequestTrace, report: ReplayReport) -> None:
+    target.load(t)
+    # A request that stopped did so on its last token, which appears nowhere earlier.
+    engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
+    res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id,
+                          tag=t.tag, on_tokens=_until_logged_end(t) if t.finish_reason == STOP_STRING else None)
+    report.outputs_match &= res.output_ids == t.output_ids
+    report.stats = report.stats.merge(res.stats)
+    tag = t.tag or "(none)"
+    report.per_tag[tag] = report.per_tag.get(tag, RequestStats(requests=0)).merge(res.stats)
+    for s in res.trace.steps:
+        src = report.per_source.setdefault(s.source, SourceStats())
+        src.steps, src.drafted, src.accepted = src.steps + 1, src.drafted + len(s.drafted), src.accepted + s.accepted
 
 
 def _until_logged_end(t: RequestTrace) -> Callable[[list[int]], bool]:

@@ -1,4 +1,4 @@
-"""Repetitive and open-ended workloads for comparing drafters, and replay that learns as it goes.
+"""Repetitive and open-ended workloads for comparing drafters.
 
 The repetitive families are the traffic SuffixDecoding targets: templated JSON extraction,
 repeated code edits with small variations, multi-turn agent loops whose turns reuse the
@@ -18,9 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from online.replay import ReplayReport, SourceStats, replay_traces
-from runtime.drafters.base import Draft, Drafter
-from runtime.stats import RequestStats
+from runtime.drafters.base import Draft
 from runtime.trace import RequestTrace
 
 NAMES = ["Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Sam", "Mia", "Tim", "Zoe"]
@@ -89,28 +87,9 @@ def repetitive_pairs(n: int, seed: int = 0) -> list[tuple[str, str, str]]:
 
 def traces_from_pairs(pairs: Iterable[tuple[str, str, str]], encode: Callable[[str], list[int]]) -> list[RequestTrace]:
     """Greedy traces (prompt ids, output ids, tag = family) from text pairs."""
-    return [RequestTrace(request_id=f"w{i}", prompt_ids=encode(p), output_ids=encode(o), steps=[],
-                         target_model="workload", drafter_version="-", max_new_tokens=len(encode(o)),
-                         tag=tag) for i, (tag, p, o) in enumerate(pairs)]
-
-
-def replay_learning(traces: list[RequestTrace], drafter: Drafter,
-                    learn: Callable[[RequestTrace], None] | None = None, **kw: object) -> ReplayReport:
-    """Replays traces in order; after each one `learn(trace)` (e.g. add its output to the global
-    cache), so request i drafts from requests < i as a live replica tailing the log would."""
-    total = ReplayReport(str(getattr(drafter, "version", "?")), RequestStats(requests=0))
-    for t in traces:
-        r = replay_traces([t], drafter, **kw)
-        total.stats = total.stats.merge(r.stats)
-        total.outputs_match &= r.outputs_match
-        for src, s in r.per_source.items():
-            acc = total.per_source.setdefault(src, SourceStats())
-            acc.steps, acc.drafted, acc.accepted = acc.steps + s.steps, acc.drafted + s.drafted, acc.accepted + s.accepted
-        for tag, s in r.per_tag.items():
-            total.per_tag[tag] = total.per_tag.get(tag, RequestStats(requests=0)).merge(s)
-        if learn is not None:
-            learn(t)
-    return total
+    return [RequestTrace(request_id=f"w{i}", prompt_ids=encode(p), output_ids=out, steps=[],
+                         target_model="workload", drafter_version="-", max_new_tokens=len(out), tag=tag)
+            for i, (tag, p, o) in enumerate(pairs) for out in [encode(o)]]
 
 
 class HFPromptLookupDrafter:

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
+from online.replay import replay_traces
 from online.workloads import (
     HFPromptLookupDrafter,
     open_ended,
     repetitive_pairs,
-    replay_learning,
     traces_from_pairs,
 )
 from runtime.adaptive import DraftLengthConfig
@@ -105,7 +105,7 @@ def test_tag_scoping_through_replay():
     for cache in (SuffixCache(SuffixConfig(tag_scoped=True)), NGramTable(NGramConfig(tag_scoped=True))):
         cache.add_sequence(out, tag="tenant-a")
         drafter = SuffixDrafter(cache) if isinstance(cache, SuffixCache) else NGramDrafter(cache)
-        rep = {tag: replay_learning([synthetic_trace(prompt, out, tag, f"r-{tag}")], drafter, vocab_size=2000)
+        rep = {tag: replay_traces([synthetic_trace(prompt, out, tag, f"r-{tag}")], drafter, vocab_size=2000)
                for tag in ("tenant-a", "tenant-b", None)}
         assert rep["tenant-a"].stats.mean_acceptance_length > 3
         assert rep["tenant-b"].stats.drafted == 0 and rep[None].stats.drafted == 0
@@ -117,10 +117,10 @@ def test_suffix_beats_prompt_lookup_on_repetitive_traffic(stories):
     length = DraftLengthConfig(k=8)
     cache, table = SuffixCache(), NGramTable()
     results = {
-        "suffix": replay_learning(traces, SuffixDrafter(cache), lambda t: cache.add_sequence(t.output_ids),
-                                  length=length, vocab_size=512),
-        "ngram": replay_learning(traces, NGramDrafter(table), lambda t: table.add_sequence(t.output_ids),
-                                 length=length, vocab_size=512),
+        "suffix": replay_traces(traces, SuffixDrafter(cache), after_each=lambda t: cache.add_sequence(t.output_ids),
+                                length=length, vocab_size=512),
+        "ngram": replay_traces(traces, NGramDrafter(table), after_each=lambda t: table.add_sequence(t.output_ids),
+                               length=length, vocab_size=512),
         "lookup": replay_traces_plain(traces, PromptLookupDrafter(), length),
         "hf-lookup": replay_traces_plain(traces, HFPromptLookupDrafter(), length),
     }
@@ -134,10 +134,10 @@ def test_suffix_beats_prompt_lookup_on_repetitive_traffic(stories):
     rng = random.Random(4)
     control = traces_from_pairs([("open", *open_ended(rng, i)) for i in range(20)], encode)
     cache = SuffixCache()
-    rep = replay_learning(control, SuffixDrafter(cache), lambda t: cache.add_sequence(t.output_ids),
-                          length=length, vocab_size=512)
+    rep = replay_traces(control, SuffixDrafter(cache), after_each=lambda t: cache.add_sequence(t.output_ids),
+                        length=length, vocab_size=512)
     assert rep.stats.mean_acceptance_length < mal["suffix"] - 1
 
 
 def replay_traces_plain(traces, drafter, length):
-    return replay_learning(traces, drafter, None, length=length, vocab_size=512)
+    return replay_traces(traces, drafter, length=length, vocab_size=512)
