@@ -178,6 +178,10 @@ class Config:
     def store_url(self) -> str:
         return self.store.url or f"sqlite:///{self.data_path / 'livedraft.db'}"
 
+    def stream_sql_url(self) -> str:
+        """The embedded stream's database: stream.sql_url, else the store's."""
+        return self.stream.sql_url or self.store_url()
+
 
 def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Config:
     """File (explicit path, else $LIVEDRAFT_CONFIG, else none) then environment overrides."""

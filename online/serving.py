@@ -43,10 +43,6 @@ class ServingHandle:
     def url(self) -> str:
         return self.server.url
 
-    @property
-    def port(self) -> int:
-        return self.server.port
-
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Drains (new requests get 503; queued and running ones finish), stops the drafter
         watcher and flushes the sink, all within about `timeout_s`. Does not close the sink

@@ -26,10 +26,6 @@ class Completed:
     accepted: int
     output_ids: list[int]
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.steps if self.steps else 1.0
-
 
 @dataclass
 class TrafficReport:

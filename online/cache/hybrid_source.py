@@ -18,9 +18,8 @@ from runtime.hotswap import DrafterRef, DrafterSource
 
 
 class HybridDrafterSource:
-    def __init__(self, inner: DrafterSource, cache: SuffixCache, threshold: float = 1.0,
-                 model_k: int | None = None) -> None:
-        self.inner, self.cache, self.threshold, self.model_k = inner, cache, threshold, model_k
+    def __init__(self, inner: DrafterSource, cache: SuffixCache, threshold: float = 1.0) -> None:
+        self.inner, self.cache, self.threshold = inner, cache, threshold
 
     def current(self) -> DrafterRef | None:
         return self.inner.current()
@@ -28,7 +27,7 @@ class HybridDrafterSource:
     def load(self, ref: DrafterRef) -> Drafter:
         """Loads `ref` from the inner source (blocking; raises what it raises) and wraps it."""
         model = self.inner.load(ref)
-        return HybridDrafter(SuffixDrafter(self.cache), model, self.threshold, self.model_k)
+        return HybridDrafter(SuffixDrafter(self.cache), model, self.threshold)
 
     def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> None:
         self.inner.report_rollback(ref, reason, numbers)

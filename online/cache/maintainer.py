@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from online.cache.snapshots import CACHE_CLASSES, Cache, load_latest_snapshot, write_snapshot
+from online.cache.snapshots import Cache, cache_kind, load_latest_snapshot, write_snapshot
 from online.events import EventDecodeError, decode_trace
 from online.stream import EventSource, Record
 from runtime.drafters.factory import DrafterConfig
@@ -96,8 +96,7 @@ class CacheMaintainer:
         group's committed offset only ever follows snapshots). A snapshot taken under another
         cache config is re-added into `fresh()`'s config."""
         want = fresh()
-        kind = next(k for k, c in CACHE_CLASSES.items() if isinstance(want, c))
-        loaded = load_latest_snapshot(snapshot_dir, kind)
+        loaded = load_latest_snapshot(snapshot_dir, cache_kind(want))
         cache = want
         if loaded is not None:
             cache = loaded.cache

@@ -44,7 +44,7 @@ def snapshot_paths(directory: str | os.PathLike, kind: str) -> list[Path]:
 def write_snapshot(directory: str | os.PathLike, cache: Cache, *, keep: int = 3) -> Path:
     """Writes `cache.snapshot()` atomically as the newest snapshot; deletes all but the newest
     `keep`. Blocks for the write and fsync; raises OSError when the disk refuses."""
-    kind = _kind(cache)
+    kind = cache_kind(cache)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     existing = snapshot_paths(d, kind)
@@ -82,7 +82,8 @@ def load_latest_snapshot(directory: str | os.PathLike, kind: str = "suffix") -> 
     return None
 
 
-def _kind(cache: Cache) -> str:
+def cache_kind(cache: Cache) -> str:
+    """The snapshot kind ("suffix", "ngram") of a cache."""
     for kind, cls in CACHE_CLASSES.items():
         if isinstance(cache, cls):
             return kind

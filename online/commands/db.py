@@ -52,10 +52,7 @@ def current(args: argparse.Namespace) -> int:
 
 
 def _stream_url(args: argparse.Namespace) -> str:
-    if args.url:
-        return args.url
-    cfg = load_config(args.config)
-    return cfg.stream.sql_url or cfg.store_url()
+    return args.url or load_config(args.config).stream_sql_url()
 
 
 def groups(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 
-from online.commands.daemon import install_stop_signals
+from online.commands.daemon import apply_data_dir, install_stop_signals
 from online.config import load_config
 from runtime.errors import LivedraftError
 
@@ -22,9 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from online.registry import RegistrySettings, start_ui
 
-    cfg = load_config(args.config)
-    if args.data_dir:
-        cfg.data_dir = args.data_dir
+    cfg = apply_data_dir(load_config(args.config), args.data_dir)
     settings = RegistrySettings.from_config(cfg)
     server = start_ui(settings, host=args.host or cfg.registry.ui_host, port=args.port or cfg.registry.ui_port)
     stop = threading.Event()

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from online.commands.daemon import install_stop_signals
+from online.commands.daemon import apply_data_dir, install_stop_signals
 from online.config import Config, load_config
 from runtime.errors import LivedraftError
 
@@ -78,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from online.stream import open_sink
     from runtime.loader import load_model
 
-    cfg = load_config(args.config)
-    if args.data_dir:
-        cfg.data_dir = args.data_dir
+    cfg = apply_data_dir(load_config(args.config), args.data_dir)
     if args.demo:
         apply_defaults(cfg, DEMO_DEFAULTS)
         if not args.verbose:  # keep the demo's own lines readable: round outcomes and swaps stay

@@ -155,7 +155,7 @@ class SqlSink:
     @classmethod
     def from_config(cls, cfg: Config) -> SqlSink:
         """Opens (and migrates) `stream.sql_url`, else the store URL. Raises StoreError."""
-        store = Store.open(cfg.stream.sql_url or cfg.store_url())
+        store = Store.open(cfg.stream_sql_url())
         return cls(store, queue_size=cfg.stream.queue_size, batch_max=cfg.stream.batch_max_records, owns_store=True)
 
     def emit(self, event: RequestTrace) -> None:
@@ -259,7 +259,7 @@ class SqlSource:
 
     @classmethod
     def from_config(cls, cfg: Config, group: str) -> SqlSource:
-        return cls(cfg.stream.sql_url or cfg.store_url(), group, poll_interval_s=cfg.stream.sql_poll_interval_s)
+        return cls(cfg.stream_sql_url(), group, poll_interval_s=cfg.stream.sql_poll_interval_s)
 
     @property
     def position(self) -> int:

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from online.config import TrainerConfig
 from online.trainer.losses import DIVERGENCES, soft_label_loss, token_cross_entropy
 from runtime.errors import LivedraftError
-from runtime.loader import DRAFTER_META, load_model, read_drafter_meta
+from runtime.loader import DRAFTER_META, MODEL_LOAD_LOCK, load_model, read_drafter_meta
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -292,8 +292,6 @@ def _trainable(model: PreTrainedModel, cfg: TrainerConfig) -> PreTrainedModel:
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.lora_modules, task_type="CAUSAL_LM")
-    from runtime.loader import MODEL_LOAD_LOCK
-
     try:
         with MODEL_LOAD_LOCK, warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing for us to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
