@@ -189,11 +189,6 @@ def _ints(v: Any, name: str) -> list[int]:
     return v
 
 
-def _floats(v: Any, name: str) -> list[float]:
-    array("d", _list(v, name))
-    return [float(x) for x in v]
-
-
 def _int(v: Any, name: str) -> int:
     if type(v) is not int:
         raise EventDecodeError(f"{name} must be an int, got {v!r:.40}")

@@ -1,7 +1,7 @@
 """`python -m online.collector [--config F] [collect options]`: the collector as a process.
 
-Same as `livedraft collect`, without importing the other commands (and torch): starts in
-well under a second, which the kill/restart tests and supervisors rely on.
+Same as `livedraft [--config F] collect [options]` (the options and `run` are that command's),
+as a module entry point for supervisors and the kill/restart tests.
 """
 
 import argparse

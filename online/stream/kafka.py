@@ -191,12 +191,6 @@ class KafkaSink:
             except Exception as e:
                 log.warning("Kafka producer close: %s", e)
 
-    def stats(self) -> dict[str, int]:
-        with self._cond:
-            return {"emitted": self.emitted, "dropped": self.dropped, "delivered": self.delivered,
-                    "failed": self.failed, "queued": len(self._pending) + self._taken,
-                    "in_flight": self._sent - self.delivered - self.failed}
-
     # --- the worker thread ------------------------------------------------------------
 
     def _run(self) -> None:

@@ -261,11 +261,6 @@ class SqlSource:
     def from_config(cls, cfg: Config, group: str) -> SqlSource:
         return cls(cfg.stream_sql_url(), group, poll_interval_s=cfg.stream.sql_poll_interval_s)
 
-    @property
-    def position(self) -> int:
-        """The next offset `poll` reads."""
-        return self._position
-
     def committed(self) -> int:
         """The group's committed next offset (0 = the beginning of the log)."""
         o = m.ConsumerOffset.__table__
