@@ -21,13 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.derive import derive_drafter
+    from online.commands.up import initial_drafter_dir
     from runtime.loader import load_model
 
     cfg = load_config(args.config)
-    drafter_dir = cfg.data_path / "drafters" / f"{Path(args.target).name}-{args.layers}l"
-    if not (drafter_dir / "config.json").exists():
-        derive_drafter(load_model(args.target, cache_dir=cfg.models.cache_dir), args.layers, drafter_dir)
+    drafter_dir = initial_drafter_dir(cfg, args.target, args.layers,
+                                      lambda: load_model(args.target, cache_dir=cfg.models.cache_dir))
     for kind, extra in (("model", ["--adaptive"]), ("lookup", ["--k", "4"])):
         print(f"\n======== drafter: {kind} {' '.join(extra)} ========\n", flush=True)
         argv = ["--target", args.target, "--drafter", str(drafter_dir), "--drafter-kind", kind,

@@ -59,14 +59,15 @@ def apply_defaults(cfg: Config, defaults: dict[str, dict[str, object]]) -> None:
                 setattr(obj, key, value)
 
 
-def initial_drafter_dir(cfg: Config, target: object, spec: str, layers: int) -> Path:
-    """The derived drafter for `target`, cached under <data_dir>/drafters/<name>-<layers>l."""
+def initial_drafter_dir(cfg: Config, spec: str, layers: int, target: Callable[[], object]) -> Path:
+    """The drafter derived from target `spec` (first `layers` layers), cached under
+    <data_dir>/drafters/<name>-<layers>l; `target()` gives the loaded target, called only to derive."""
     from runtime.derive import derive_drafter
 
     out = cfg.data_path / "drafters" / f"{Path(spec).name}-{layers}l"
     if not (out / "config.json").is_file():
         print(f"deriving a {layers}-layer drafter from {spec} into {out} ...", flush=True)
-        derive_drafter(target, layers, out)
+        derive_drafter(target(), layers, out)
     return out
 
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"livedraft up: data directory {cfg.data_path}; loading {args.target} ...", flush=True)
     target = load_model(args.target, cache_dir=cfg.models.cache_dir)
-    drafter_dir = Path(args.drafter) if args.drafter else initial_drafter_dir(cfg, target, args.target, args.layers)
+    drafter_dir = Path(args.drafter) if args.drafter else initial_drafter_dir(cfg, args.target, args.layers, lambda: target)
     registry = DrafterRegistry.from_config(cfg)
     champion = registry.bootstrap(drafter_dir, target_model=target.model_id)
     source = RegistryDrafterSource(registry, target)
