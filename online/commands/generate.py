@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.target, cache_dir=cfg.models.cache_dir)
     if target.tokenizer is None:
         raise LivedraftError(f"target {args.target} has no tokenizer: generate needs one to encode prompts")
+    if args.chat and not getattr(target.tokenizer, "chat_template", None):
+        raise LivedraftError(f"target {args.target} has no chat template: drop --chat to encode prompts as plain text")
     drafter = build_drafter(DrafterConfig(kind=args.drafter_kind, path=args.drafter), target, cfg.models.cache_dir)
     length = DraftLengthConfig(k=args.k_max, adaptive=True) if args.adaptive else DraftLengthConfig(k=args.k)
     engine = SpeculativeEngine.for_model(target, drafter, EngineConfig(draft=length))
