@@ -20,13 +20,7 @@ from online.config import Config, DaemonConfig
 from online.store import Store
 from online.stream.sql import SqlSink
 from online.synthetic import synthetic_trace
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from tests.polling import wait_for
 
 
 def traces(n: int, seed: int) -> list:

@@ -7,7 +7,6 @@ output must equal the target's own greedy output throughout."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -20,20 +19,13 @@ from online.store import Store
 from online.traffic import TrafficReport, run_traffic
 from runtime.drafters.none import NoDrafter
 from runtime.engine import SamplingParams, SpeculativeEngine
+from tests.polling import wait_for
 
 # The weak derived drafter serves stories260K at mean acceptance length ~1.05; one 60-step round
 # on ~30 traces lifts held-out replay to ~3 (tests/test_trainer_round.py measures 3.2-3.9 with 32
 # training traces). +0.5 is far outside noise and far below the measured gain.
 MARGIN = 0.5
 MAX_TOKENS = 48
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pytest
 
 from runtime.adaptive import DraftLengthConfig
@@ -14,6 +11,7 @@ from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.hotswap import DrafterRef, HotSwapper, RollbackConfig
 from runtime.slot import DrafterSlot
+from tests.polling import wait_for
 from tests.serving_utils import FakeSource, hf_greedy, random_drafter
 
 PROMPTS = [
@@ -149,15 +147,6 @@ def test_equal_quality_swap_does_not_roll_back(stories, cases):
     assert swapper.rollbacks == 0 and swapper.version == "v2" and source.rollbacks == []
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s  # far below poll_s=60, so only trigger() can satisfy it
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
-
-
 def test_trigger_polls_early_and_stop_joins(stories, stories_drafter_dir):
     v2 = PromptLookupDrafter(version="v2")
     source = FakeSource({"v2": lambda: v2})
@@ -165,10 +154,11 @@ def test_trigger_polls_early_and_stop_joins(stories, stories_drafter_dir):
     swapper = HotSwapper(slot, source, poll_s=60.0)
     swapper.start()
     try:
-        assert wait_for(lambda: source.polls >= 1)  # the start-up poll saw nothing to do
+        wait_for(lambda: source.polls >= 1, 10, "the start-up poll", 0.005)  # it saw nothing to do
         source.wanted = "v2"
         swapper.trigger()
-        assert wait_for(lambda: slot.get() is v2), "trigger() did not make the watcher poll early"
+        # 10 s is far below poll_s=60, so only trigger() can satisfy it
+        wait_for(lambda: slot.get() is v2, 10, "trigger() to make the watcher poll early", 0.005)
         assert source.polls == 2
     finally:
         swapper.stop(timeout_s=5.0)

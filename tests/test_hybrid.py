@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from online.replay import replay_traces
 from online.workloads import (
@@ -25,6 +24,7 @@ from runtime.drafters.suffix import NGramDrafter, SuffixDrafter
 from runtime.drafters.suffix_tree import SuffixCache, SuffixConfig
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.trace import RequestTrace
+from tests.serving_utils import hf_greedy
 
 PROMPTS = [
     "Once upon a time, there was a dog named",
@@ -37,13 +37,8 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def greedy_cases(stories):
-    cases = []
-    for p in PROMPTS:
-        ids = stories.tokenizer(p).input_ids
-        with torch.inference_mode():
-            out = stories.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-        cases.append((ids, out[0, len(ids):].tolist()))
-    return cases
+    ids = [stories.tokenizer(p).input_ids for p in PROMPTS]
+    return [(p, hf_greedy(stories.model, p, MAX_NEW)) for p in ids]
 
 
 def warm(cache, cases, rng: random.Random) -> None:

@@ -13,6 +13,7 @@ from runtime.drafters.model import ModelDrafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from tests.models import loaded, tiny_llama
+from tests.serving_utils import hf_greedy
 
 STORY_PROMPTS = [
     "Once upon a time, there was a dog named",
@@ -20,12 +21,6 @@ STORY_PROMPTS = [
     "The little bird was sad because",
 ]
 MAX_NEW = 48
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def modes():

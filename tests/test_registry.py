@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from online.trainer.distill import DistillResult
 from online.trainer.round import ReplayMetrics, RoundResult
 from runtime.drafters.factory import load_model_drafter
 from runtime.loader import DRAFTER_META
+from tests.kafka_broker import free_port
 
 TARGET = "stories260K"
 
@@ -147,10 +147,7 @@ def test_registry_refuses_the_projects_own_database(tmp_path):
 
 
 def test_ui_server_serves_the_registry(registry):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ui = start_ui(registry.settings, port=port)
+    ui = start_ui(registry.settings, port=free_port())
     try:
         assert ui.wait_ready(60), "mlflow server did not answer /health"
         url = f"{ui.url}/ajax-api/2.0/mlflow/registered-models/alias?name=livedraft-drafter&alias=champion"

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,6 +26,7 @@ from runtime.engine import STOP_STRING
 from runtime.fairqueue import FairQueue, QueueFull
 from runtime.server import TextStream, parse_completion
 from runtime.sinks import MemorySink
+from tests.polling import wait_for
 from tests.serving_utils import (
     FakeSource,
     complete,
@@ -326,7 +326,8 @@ def test_client_leaving_a_stream_cancels_it(stories):
                 got += sock.recv(4096)
             assert got.startswith(b"HTTP/1.1 200")
         # the client is gone after its first event
-        wait_until(lambda: metric_samples(handle.url).get(("livedraft_requests_total", (("status", "cancelled"),))) == 1)
+        wait_for(lambda: metric_samples(handle.url).get(("livedraft_requests_total", (("status", "cancelled"),))) == 1,
+                 30, "the cancelled request in /metrics")
         assert sink.events == []  # generation stopped: no trace of a request nobody received
         prompt = "Once upon a time"
         status, body = complete(handle.url, {"prompt": prompt, "max_tokens": 8})
@@ -366,16 +367,16 @@ def test_queue_limits_answer_429_and_503_then_drain(stories):
         running = send("running", "a")
         assert drafter.started.acquire(timeout=30)  # the worker is busy with it
         queued_a = send("queued_a", "a")
-        wait_until(lambda: len(handle.server.queue) == 1)
+        wait_for(lambda: len(handle.server.queue) == 1, 30, "one queued request")
         send("a_again", "a").join(30)
         assert results["a_again"][0] == 429 and "already has 1" in results["a_again"][1]["error"]["message"]
         queued_b = send("queued_b", "b")
-        wait_until(lambda: len(handle.server.queue) == 2)
+        wait_for(lambda: len(handle.server.queue) == 2, 30, "two queued requests")
         send("c", "c").join(30)
         assert results["c"][0] == 503 and "queue is full" in results["c"][1]["error"]["message"]
         stopper = threading.Thread(target=lambda: results.setdefault("drained", handle.stop(30)))
         stopper.start()
-        wait_until(lambda: request(handle.url, "GET", "/healthz")[0] == 503)
+        wait_for(lambda: request(handle.url, "GET", "/healthz")[0] == 503, 30, "/healthz to say 503")
         send("late", "d").join(30)
         assert results["late"][0] == 503 and "shutting down" in results["late"][1]["error"]["message"]
         drafter.release.set()
@@ -387,13 +388,6 @@ def test_queue_limits_answer_429_and_503_then_drain(stories):
     finally:
         drafter.release.set()
         handle.stop(5)
-
-
-def wait_until(cond, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_fair_queue_round_robin_and_limits():

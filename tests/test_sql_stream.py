@@ -23,6 +23,7 @@ from online.store import models as m
 from online.stream import open_sink, open_source
 from online.stream.sql import SqlSink, SqlSource, append, consumer_groups, drop_group, prune
 from online.synthetic import synthetic_trace
+from tests.polling import wait_for
 from tests.store_fixtures import store, store_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,10 +278,8 @@ def test_daemon_prunes_what_it_collected(tmp_path, monkeypatch):
         for t in traces(20, 4):
             sink.emit(t)
         assert sink.flush(10)
-        deadline = time.monotonic() + 30
-        while (store.count() < 20 or stream_ids(daemon.source.store)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert store.count() == 20 and stream_ids(daemon.source.store) == []
+        wait_for(lambda: store.count() == 20 and stream_ids(daemon.source.store) == [], 30,
+                 "the daemon to collect, then prune, all 20 records")
     finally:
         sink.close()
         daemon.stop(timeout_s=10)

@@ -133,10 +133,6 @@ def transport(request, tmp_path):
     elif request.param == "kafka":
         h = KafkaHarness(request.getfixturevalue("kafka_broker"))
     else:
-        try:
-            import online.stream.sql  # noqa: F401
-        except ImportError as e:
-            pytest.skip(f"embedded SQL stream not available yet: {e}")
         h = SqlHarness(tmp_path)
     yield h
     h.close()

@@ -4,7 +4,6 @@ block (against a stub server), and a clear CLI error when no server answers."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +13,7 @@ import pytest
 from online.cli import main
 from online.prompts import DOMAINS, prompts_for
 from online.traffic import TrafficReport, chat_wrap, run_traffic
+from tests.kafka_broker import free_port
 
 
 def test_domain_pools_are_large_distinct_and_deterministic():
@@ -70,9 +70,7 @@ def test_run_traffic_paces_requests_and_reports_acceptance_per_version():
 
 
 def test_traffic_cli_says_when_no_server_answers(capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again on exit: nothing listens there
+    port = free_port()  # closed again on return: nothing listens there
     code = main(["traffic", "--url", f"http://127.0.0.1:{port}", "--requests", "2", "--rate", "0"])
     err = capsys.readouterr().err
     assert code == 2

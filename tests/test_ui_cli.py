@@ -11,11 +11,7 @@ import sys
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.kafka_broker import free_port
 
 
 def test_ui_serves_the_registry_and_stops_on_sigterm(tmp_path):
