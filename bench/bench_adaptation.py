@@ -60,12 +60,6 @@ from runtime.stats import RequestStats
 log = logging.getLogger("bench_adaptation")
 
 
-def metrics(name: str, stats: list[RequestStats]) -> ReplayMetrics:
-    s = RequestStats.total(stats)
-    return ReplayMetrics(name, s.mean_acceptance_length, s.acceptance_rate, s.per_position_acceptance,
-                         s.steps, s.requests)
-
-
 def summary(stats: list[RequestStats]) -> dict:
     s = RequestStats.total(stats)
     pos = s.per_position_acceptance
@@ -153,8 +147,8 @@ def main() -> None:
         cand_version = f"round{len(rounds) + 1}"
         res = distill(champion_dir, train, work / cand_version, cfg, version=cand_version)
         cand = load_model_drafter(work / cand_version, target)
-        c = metrics(cand_version, teacher_forced_replay(cand, hold, args.k))
-        h = metrics(version, teacher_forced_replay(champion, hold, args.k))
+        c = ReplayMetrics.from_stats(cand_version, RequestStats.total(teacher_forced_replay(cand, hold, args.k)))
+        h = ReplayMetrics.from_stats(version, RequestStats.total(teacher_forced_replay(champion, hold, args.k)))
         promoted, reason = decide(c, h, cfg.promote_margin)
         seconds = time.perf_counter() - t0
         t_train += seconds

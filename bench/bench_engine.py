@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from online.commands import generate
 from online.commands.generate import encode
 from runtime.adaptive import DraftLengthConfig
 from runtime.derive import derive_drafter
@@ -83,13 +84,8 @@ def hf_assistant(drafter: ModelDrafter, vocab: int, k: int) -> torch.nn.Module:
 
 
 def read_prompts(spec: str) -> list[str]:
-    """`--prompts`: a count of the built-in prompts, or a .txt file with one prompt per line."""
-    if spec.isdigit():
-        return PROMPTS[: int(spec)]
-    path = Path(spec)
-    if not path.is_file():
-        raise SystemExit(f"--prompts {spec!r}: give a number (1..{len(PROMPTS)}) or a .txt file, one prompt per line")
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """`--prompts`: a count of the built-in prompts, or a prompts file as `livedraft generate` reads it."""
+    return PROMPTS[: int(spec)] if spec.isdigit() else generate.read_prompts(spec)
 
 
 def hf_row(model, ids: list[int], max_new: int, **kw) -> tuple[list[int], float]:

@@ -98,7 +98,7 @@ def build(cache, seqs: list[list[int]]) -> dict:
 def replay_suffix(cache: SuffixCache, traffic: Traffic, reqs: list[list[int]], k: int,
                   churn: list[list[int]] | None) -> dict:
     """Engine-like loop; with `churn`, one new sequence enters the cache before every step."""
-    prop, app, acc_lens = [], [], []
+    prop, app = [], []
     drafted = accepted = steps = 0
     for r, truth in enumerate(reqs):
         rid = f"r{r}"
@@ -123,7 +123,6 @@ def replay_suffix(cache: SuffixCache, traffic: Traffic, reqs: list[list[int]], k
             drafted, accepted, steps = drafted + len(spec.tokens), accepted + a, steps + 1
             pos += len(new)
         cache.stop_request(rid)
-        acc_lens.append(len(truth))
     return {"propose_us": pct(prop), "append_us_per_token": pct(app),
             "mean_acceptance_length": 1 + accepted / steps, "acceptance_rate": accepted / max(1, drafted)}
 

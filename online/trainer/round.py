@@ -23,6 +23,7 @@ from online.trainer.distill import DistillResult, NotEnoughData, check_config, d
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import load_model_drafter
 from runtime.loader import LoadedModel
+from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -95,9 +96,11 @@ class ReplayMetrics:
 
     @classmethod
     def from_report(cls, report: ReplayReport) -> ReplayMetrics:
-        s = report.stats
-        return cls(report.drafter, s.mean_acceptance_length, s.acceptance_rate, s.per_position_acceptance,
-                   s.steps, s.requests)
+        return cls.from_stats(report.drafter, report.stats)
+
+    @classmethod
+    def from_stats(cls, drafter: str, s: RequestStats) -> ReplayMetrics:
+        return cls(drafter, s.mean_acceptance_length, s.acceptance_rate, s.per_position_acceptance, s.steps, s.requests)
 
 
 @dataclass
