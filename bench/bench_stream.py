@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from online.store import Store  # noqa: E402
 from online.synthetic import synthetic_trace  # noqa: E402
 from tests.kafka_broker import KafkaBroker  # noqa: E402
-from tests.stream_helpers import write_config  # noqa: E402
+from tests.stream_helpers import start_collector, store_count, write_config  # noqa: E402
 
 
 def make_traces(n: int, seed: int) -> list:
@@ -48,14 +48,6 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def store_count(engine: sa.Engine) -> int:
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM traces")).scalar_one())
-    except sa.exc.OperationalError:  # not migrated yet
-        return 0
 
 
 def wait_count(engine: sa.Engine, n: int, timeout_s: float, procs: list[subprocess.Popen]) -> float:
@@ -71,25 +63,13 @@ def wait_count(engine: sa.Engine, n: int, timeout_s: float, procs: list[subproce
     return time.monotonic()
 
 
-def open_sink(kind: str, cfg_path: Path, queue_size: int):
+def open_sink(cfg_path: Path, queue_size: int):
     from online.config import load_config
+    from online.stream import open_sink
 
     cfg = load_config(cfg_path, env={})
     cfg.stream.queue_size = queue_size  # hold the whole burst: this measures throughput, not drop policy
-    if kind == "kafka":
-        from online.stream.kafka import KafkaSink
-
-        return KafkaSink.from_config(cfg)
-    from online.stream.sql import SqlSink
-
-    return SqlSink.from_config(cfg)
-
-
-def start_collector(cfg_path: Path, batch: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEDRAFT_")}
-    return subprocess.Popen([sys.executable, "-m", "online.collector", "--config", str(cfg_path),
-                             "--batch", str(batch), "--log-every", "5"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return open_sink(cfg)
 
 
 def run_one(kind: str, traces: list, warmup: list, work: Path, batch: int, broker: KafkaBroker | None,
@@ -101,12 +81,12 @@ def run_one(kind: str, traces: list, warmup: list, work: Path, batch: int, broke
     else:
         stream.update(sql_url=f"sqlite:///{work / 'sql-stream.db'}", sql_poll_interval_s=0.02)
     cfg_path = write_config(work / f"{kind}.toml", store_url=store_url, stream=stream, data_dir=work)
-    sink = open_sink(kind, cfg_path, len(traces) + len(warmup))
+    sink = open_sink(cfg_path, len(traces) + len(warmup))
     # Kafka scales the collector with consumer-group members (one per partition at most);
     # the embedded stream runs one collector per group.
     n_proc = collectors if kind == "kafka" else 1
     Store.open(store_url).close()  # migrate once, before several collectors race to
-    procs = [start_collector(cfg_path, batch) for _ in range(n_proc)]
+    procs = [start_collector(cfg_path, "--batch", str(batch), "--log-every", "5") for _ in range(n_proc)]
     engine = sa.create_engine(store_url)
     try:
         for t in warmup:

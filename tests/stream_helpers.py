@@ -52,7 +52,8 @@ def stored_event_ids(store_url: str) -> list[str]:
         engine.dispose()
 
 
-def _count(engine: sa.Engine) -> int:
+def store_count(engine: sa.Engine) -> int:
+    """Traces in the store (0 before it is migrated)."""
     try:
         with engine.connect() as conn:
             return int(conn.execute(sa.text("SELECT count(*) FROM traces")).scalar_one())
@@ -67,7 +68,7 @@ def wait_for_count(store_url: str, n: int, timeout_s: float, proc: subprocess.Po
     engine = sa.create_engine(store_url)
     deadline = time.monotonic() + timeout_s
     try:
-        while (c := _count(engine)) < n:
+        while (c := store_count(engine)) < n:
             if proc is not None and proc.poll() is not None:
                 raise AssertionError(f"collector exited early (rc {proc.returncode}): {proc.stderr.read()[-2000:]}")
             if time.monotonic() > deadline:
