@@ -165,9 +165,9 @@ class TextStream:
         self.ids += ids
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        # An incomplete UTF-8 sequence at the end decodes as U+FFFD: leave it out until a later
+        # token completes it (and out of the final text when generation ends inside it).
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
         cuts = [i for i in (text.find(s, max(0, self.sent - self._hold)) for s in self.stop) if i >= 0]
         if cuts:
             self.text, self.stopped = text[: min(cuts)], True

@@ -144,6 +144,16 @@ def test_stop_string_cuts_text_stream_and_non_stream_alike(served, stories, expe
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_text_stream_never_sends_half_a_character(stories):
+    tok = stories.tokenizer
+    ids = tok("Hi 😀 there").input_ids[1:]  # byte fallback: the emoji is four tokens
+    ts = TextStream(tok, [])
+    sent = [ts.push([i]) for i in ids]
+    assert all("\ufffd" not in x for x in sent) and "".join(sent) + ts.flush() == "Hi 😀 there"
+    cut = TextStream(tok, [])  # generation ended inside the emoji: the complete text, not nothing
+    assert cut.push(ids[:5]) + cut.flush() == "Hi " and cut.text == "Hi "
+
+
 def test_text_stream_holds_back_a_possible_stop_prefix(stories):
     tok = stories.tokenizer
     ids = tok("Once upon a time there was a cat").input_ids[1:]
