@@ -257,7 +257,8 @@ def open_replica_cache(cfg: Config, source: EventSource | None = None, *, start:
 def drafter_config(cfg: Config, cache: Cache, *, kind: str = "hybrid", path: str | None = None,
                    version: str | None = None) -> DrafterConfig:
     """The DrafterConfig for a drafter reading the replica's shared `cache` (kinds suffix,
-    ngram, hybrid; hybrid needs the model drafter `path`). What `livedraft up` serves with:
+    ngram, hybrid; hybrid needs the model drafter `path`), for a fixed drafter over a replica
+    (`livedraft up` wraps registry versions with HybridDrafterSource instead):
 
         replica = open_replica_cache(cfg)
         drafter = build_drafter(drafter_config(cfg, replica.cache, path=drafter_dir), target)
