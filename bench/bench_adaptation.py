@@ -4,15 +4,21 @@ Traffic is one domain, then a shift, then another (default stories -> Python
 code -> instructions; built-in prompt pools, chat template, greedy, 64 new
 tokens). Two drafters serve the same request stream at fixed k:
 
-(a) frozen: the initial drafter (by default derived from the target's first
-    layers, untrained), never updated;
+(a) frozen: the initial drafter, never updated. `--kind eagle` (the default): an
+    EAGLE-3 head warm-started offline on general explanations (the "topics" pool,
+    none of the three domains; `--init-minutes` of training, cached), i.e. a
+    drafter trained offline on other traffic than the service sees. `--kind model`:
+    a drafter derived from the target's first layers, untrained;
 (b) adapted: starts as the same drafter; after every W requests a training
     round distils a candidate from the current champion on a window of the
     traffic served so far (online/trainer/distill.py, the project's trainer:
     soft labels at rejected positions + cross-entropy on the target's tokens),
     scores candidate and champion on the newest, held-out part of the window,
     and swaps the candidate in for the next requests only if it wins
-    (online.trainer.round.decide, the production gate).
+    (online.trainer.round.decide, the production gate);
+(c) eagle only, a reference: the initial head distilled offline on the whole
+    traffic stream for as many steps as all online rounds took together — what
+    knowing the traffic in advance buys; online adaptation should come close.
 
 To fit a CPU budget the target runs once: it answers every prompt greedily
 (batched) and logs its top-k logprobs per position. Serving each request with
@@ -20,6 +26,8 @@ a drafter is then scored by teacher-forced replay — one drafter forward per
 request, exact for greedy (bench/traffic.py; equal to the engine-loop replay
 step for step, tests/test_bench_traffic.py) — and the trace that serving would
 have logged (steps, soft labels at rejections) is what the trainer learns from.
+An eagle head replays through the engine loop (online.replay) with the target's
+features from one teacher-forced pass per request, as the production trainer does.
 
     nice -n 10 python -m bench.bench_adaptation            # table + bench/results/adaptation.{json,png}
 """
@@ -109,20 +117,36 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=8, help="W: requests between training rounds")
     ap.add_argument("--window", type=int, default=32, help="newest served traces a round sees")
     ap.add_argument("--holdout", type=float, default=0.25, help="newest share of the window held out for the gate")
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, help="optimizer steps per round (default: model 14, eagle 16)")
+    ap.add_argument("--batch-size", type=int, help="traces per step (default: model 4, eagle 8)")
+    ap.add_argument("--lr", type=float, help="learning rate (default: model 1e-3, eagle 5e-4)")
     ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
+    ap.add_argument("--kind", choices=("eagle", "model"), default="eagle")
+    ap.add_argument("--init-minutes", type=float, default=5.0, help="eagle: offline warm start of the initial head")
+    ap.add_argument("--init-requests", type=int, default=200, help="eagle: topics prompts of that warm start")
     ap.add_argument("--out", default="bench/results/adaptation")
     args = ap.parse_args()
+    for key, model, eagle in (("steps", 14, 16), ("batch_size", 4, 8), ("lr", 1e-3, 5e-4)):
+        if getattr(args, key) is None:
+            setattr(args, key, eagle if args.kind == "eagle" else model)
     out, work = start_run(args)
     t_start = time.perf_counter()
 
     target = load_model(args.target)
     traffic = load_traffic(target, args, out.parent / f"{out.name}_traffic.json")
     t_traffic = time.perf_counter() - t_start
+    if args.kind == "eagle":
+        from bench.adaptation_eagle import run_eagle
+
+        frozen_stats, adapted_stats, rounds, t_train, extra = run_eagle(args, target, traffic, out, work)
+        report(args, traffic, frozen_stats, adapted_stats, rounds, out,
+               {"traffic_s": round(t_traffic, 1), "training_rounds_s": round(t_train, 1),
+                "total_s": round(time.perf_counter() - t_start, 1), "torch_threads": torch.get_num_threads()},
+               extra)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     init_dir = Path(args.drafter) if args.drafter else derive_drafter(target, args.layers, work / "initial")
 
     frozen = load_model_drafter(init_dir, target)
@@ -170,7 +194,9 @@ def main() -> None:
 
 
 def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: list[RequestStats], rounds: list,
-           out: Path, timing: dict) -> None:
+           out: Path, timing: dict, extra: dict | None = None) -> None:
+    """`extra` (eagle): {"offline": per-request stats of the offline reference, "init": provenance}."""
+    extra = extra or {}
     domains = args.domains.split(",")
     bounds, start = {}, 0
     for d in domains:
@@ -183,30 +209,42 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
     for j, d in enumerate(domains):
         a, b = bounds[d]
         fs, ads = summary(frozen[a:b]), summary(adapted[a:b])
-        rows.append({"domain": d, "requests": f"{a + 1}-{b}", "frozen": fs, "adapted": ads,
-                     "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
-                     "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
-                     "recovery_requests": recovery(am, a, b, 8) if j > 0 else None})
+        row = {"domain": d, "requests": f"{a + 1}-{b}", "frozen": fs, "adapted": ads,
+               "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
+               "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
+               "recovery_requests": recovery(am, a, b, 8) if j > 0 else None}
+        if "offline" in extra:
+            off = summary(extra["offline"][a:b])
+            row["offline"] = off
+            row["online_vs_offline_acceptance_rate"] = round(ads["acceptance_rate"] / max(off["acceptance_rate"], 1e-9), 3)
+        rows.append(row)
     result = {"config": vars(args), "timing": timing, "domains": rows, "rounds": rounds,
+              "init": extra.get("init"),
               "per_request_mal": {"frozen": [round(x, 3) for x in fm], "adapted": [round(x, 3) for x in am]}}
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(result, indent=2))
-    plot(fm, am, bounds, rounds, Path(f"{out}.png"), args)
+    plot(fm, am, bounds, rounds, Path(f"{out}.png"), args,
+         [s.mean_acceptance_length for s in extra["offline"]] if "offline" in extra else None)
     print(f"\n{timing}\n")
+    off = "offline" in extra
     print("| domain (requests) | frozen MAL | adapted MAL | frozen acc. rate | adapted acc. rate | gain (acc. rate) "
-          "| first-token acc. frozen → adapted | recovery after shift (requests) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| first-token acc. frozen → adapted | recovery after shift (requests) |"
+          + (" offline reference MAL / acc. rate | online / offline acc. rate |" if off else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if off else ""))
     for r in rows:
         f, a = r["frozen"], r["adapted"]
         print(f"| {r['domain']} ({r['requests']}) | {f['mean_acceptance_length']} | {a['mean_acceptance_length']} | "
               f"{f['acceptance_rate']} | {a['acceptance_rate']} | {r['acceptance_rate_gain']:+} | "
               f"{f['first_token_acceptance']} → {a['first_token_acceptance']} | "
-              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} |")
+              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} |"
+              + (f" {r['offline']['mean_acceptance_length']} / {r['offline']['acceptance_rate']} | "
+                 f"{r['online_vs_offline_acceptance_rate']} |" if off else ""))
     print("\nrounds: " + "; ".join(f"{x['after_request']}: {x['candidate_mal']} vs {x['champion_mal']}"
                                   f"{' promoted' if x['promoted'] else ''}" for x in rounds))
 
 
-def plot(frozen: list[float], adapted: list[float], bounds: dict, rounds: list, path: Path, args) -> None:
+def plot(frozen: list[float], adapted: list[float], bounds: dict, rounds: list, path: Path, args,
+         offline: list[float] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,6 +254,9 @@ def plot(frozen: list[float], adapted: list[float], bounds: dict, rounds: list, 
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)
     ax.plot(x, rolling(frozen, 8), label="(a) frozen initial drafter", color="tab:gray")
     ax.plot(x, rolling(adapted, 8), label="(b) adapted online", color="tab:blue")
+    if offline:
+        ax.plot(x, rolling(offline, 8), label="(c) distilled offline on the whole stream", color="tab:orange",
+                ls="--")
     for d, (a, _) in bounds.items():
         ax.axvline(a + 0.5, color="black", lw=0.6, ls=":")
         ax.text(a + 1.5, 0.98, d, transform=ax.get_xaxis_transform(), va="top", fontsize=9)

@@ -1,21 +1,20 @@
 """Engine benchmark: ours vs Hugging Face generate, side by side in one process.
 
-Rows (same prompts, greedy, same max_new_tokens): HF target-only `generate`,
-our engine with NoDrafter, our engine with a model drafter (fixed k and
-adaptive; also with the drafter on the Hugging Face forward instead of
-runtime/fast_llama.py, to show what the lean forward buys), HF assisted
-generation with the SAME drafter and k (`assistant_model=`, its generation
-config set to `num_assistant_tokens=k`, schedule "constant", confidence
-threshold 0 — transformers reads these from the assistant's own
-generation_config, not from generate() kwargs), HF prompt lookup
-(`prompt_lookup_num_tokens=`), and our lookup drafter. A VocabTrim drafter is
-given to HF behind a head that scatters its kept rows into the full vocabulary
-(-inf elsewhere), so HF drafts the same tokens at the same matmul cost.
-For each prompt every row runs back to back (interleaved, so machine drift hits
-all rows alike); the table reports the median over prompts of tokens/s, its
-ratio to HF target-only, and acceptance statistics.
+Rows (same prompts, greedy, same max_new_tokens): HF target-only `generate`, our engine
+with NoDrafter (target only, on the lean forward), an EAGLE-3 head (`--eagle DIR`, fixed k
+and adaptive), prompt lookup (ours and HF's `prompt_lookup_num_tokens=`), and, with
+`--drafter DIR`, a model drafter with the same k in our engine and in HF assisted generation
+(`assistant_model=`, its generation config set to `num_assistant_tokens=k`, schedule
+"constant", confidence threshold 0 — transformers reads these from the assistant's own
+generation_config). For each prompt every row runs back to back (interleaved, so machine
+drift hits all rows alike); the table reports the median over prompts of tokens/s, its
+ratio to HF target-only and to ours target-only, acceptance, and each drafter's cost per
+draft token as a fraction of a target step (our target-only seconds per token).
 
-    python bench/bench_engine.py --target smollm2-135m --drafter DIR --k 4 --prompts 8 --max-new-tokens 64
+Before the rows it measures what returning the EAGLE-3 features costs a verify forward
+(k + 1 tokens, features on vs off, interleaved; the median ratio).
+
+    python -m bench.bench_engine --eagle bench/results/eagle-smol --k 4 --prompts 8 --max-new-tokens 64
 """
 
 from __future__ import annotations
@@ -34,14 +33,14 @@ import torch
 from online.commands import generate
 from online.commands.generate import encode
 from runtime.adaptive import DraftLengthConfig
-from runtime.derive import derive_drafter
-from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.factory import load_feature_drafter, load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.loader import load_model
 from runtime.stats import RequestStats
+from runtime.target import LlamaTarget
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -53,6 +52,8 @@ PROMPTS = [
     "What are the main differences between TCP and UDP?",
     "Write a haiku about autumn, then explain its imagery.",
 ]
+HF_BASE = "HF generate (target only)"
+OURS_BASE = "ours, target only"
 
 
 class ScatterHead(torch.nn.Module):
@@ -102,12 +103,32 @@ def ours_row(engine: SpeculativeEngine, ids: list[int], max_new: int) -> tuple[l
     return res.output_ids, time.perf_counter() - t, res.stats
 
 
+def feature_overhead(target, width: int, reps: int = 40) -> dict:
+    """Median seconds of a `width`-token verify forward with and without the EAGLE-3 features."""
+    lean = LlamaTarget(target.model)
+    ids = torch.randint(100, 40000, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode():
+        lean.reset(0)
+        lean.forward([0], [ids[:100]], logits="last")
+        for i in range(reps):
+            for feats in (False, True) if i % 2 else (True, False):
+                lean.rollback(0, 100)
+                t = time.perf_counter()
+                lean.forward([0], [ids[100 : 100 + width]], features=feats)
+                times[feats].append(time.perf_counter() - t)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"width": width, "ms_without": round(1000 * off, 2), "ms_with": round(1000 * on, 2),
+            "extra": round(on / off - 1, 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--drafter", help="drafter dir (default: derive one with --layers)")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--eagle", help="an Eagle3 head for the target (bench/train_eagle.py writes one)")
+    ap.add_argument("--drafter", help="a model drafter dir: adds its rows and HF assisted generation with it")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k-max", type=int, default=6, help="upper bound of the adaptive rows")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=str(len(PROMPTS)), help="a count of built-in prompts or a .txt file")
     ap.add_argument("--device", default="cpu")
@@ -119,33 +140,33 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target = load_model(args.target, device=args.device)
-    ddir = Path(args.drafter) if args.drafter else derive_drafter(target, args.layers, Path("bench/results/drafter"))
-    drafter = load_model_drafter(ddir, target)
-    hf_forward_drafter = ModelDrafter(drafter.model, drafter.target_vocab_size,
-                                      None if drafter.kept_ids is None else drafter.kept_ids.tolist(),
-                                      version=drafter.version, fast=False)
     tok, k, n = target.tokenizer, args.k, args.max_new_tokens
     gen_cfg = dict(pad_token_id=tok.pad_token_id or tok.eos_token_id)
     fixed = EngineConfig(draft=DraftLengthConfig(k=k))
-    engines = {
-        "ours NoDrafter": SpeculativeEngine.for_model(target, NoDrafter()),
-        f"ours model drafter k={k}": SpeculativeEngine.for_model(target, drafter, fixed),
-        f"ours model drafter k={k}, HF-forward drafter": SpeculativeEngine.for_model(target, hf_forward_drafter, fixed),
-        "ours model drafter adaptive": SpeculativeEngine.for_model(
-            target, drafter, EngineConfig(draft=DraftLengthConfig(k=2 * k, adaptive=True))),
-        f"ours lookup k={k}": SpeculativeEngine.for_model(target, PromptLookupDrafter(), fixed),
-    }
-    hf_rows = {
-        "HF generate (target only)": {},
-        f"HF assisted k={k} (same drafter)": dict(assistant_model=hf_assistant(drafter, target.vocab_size, k)),
-        f"HF prompt lookup k={k}": dict(prompt_lookup_num_tokens=k),
-    }
+    adaptive = EngineConfig(draft=DraftLengthConfig(k=args.k_max, adaptive=True))
+    engines = {OURS_BASE: SpeculativeEngine.for_model(target, NoDrafter())}
+    hf_rows = {HF_BASE: {}, f"HF prompt lookup k={k}": dict(prompt_lookup_num_tokens=k)}
+    if args.eagle:
+        eagle = load_feature_drafter(args.eagle, target)
+        engines[f"ours eagle k={k}"] = SpeculativeEngine.for_model(target, eagle, fixed)
+        engines["ours eagle adaptive"] = SpeculativeEngine.for_model(
+            target, load_feature_drafter(args.eagle, target), adaptive)
+    engines[f"ours lookup k={k}"] = SpeculativeEngine.for_model(target, PromptLookupDrafter(), fixed)
+    engines["ours lookup adaptive"] = SpeculativeEngine.for_model(target, PromptLookupDrafter(), adaptive)
+    if args.drafter:
+        drafter = load_model_drafter(Path(args.drafter), target)
+        engines[f"ours model drafter k={k}"] = SpeculativeEngine.for_model(target, drafter, fixed)
+        hf_rows[f"HF assisted k={k} (same model drafter)"] = dict(
+            assistant_model=hf_assistant(drafter, target.vocab_size, k))
     rows: dict[str, dict] = {name: {"tps": [], "stats": []} for name in [*hf_rows, *engines]}
     prompts = [encode(tok, p, chat=True) for p in read_prompts(args.prompts)]
     load0 = os.getloadavg()[0]  # other processes on the machine skew wall-clock rows; recorded with the results
-    # Warm-up: first calls pay for allocator and kernel selection.
+    overhead = [feature_overhead(target, w) for w in (1, k + 1)]
+    print(f"EAGLE-3 features in a verify forward: {overhead}", flush=True)
+    # Warm-up: first calls pay for allocator and kernel selection (and adaptive rows measure their costs).
     hf_row(target.model, prompts[0], 8, **gen_cfg)
-    engines["ours NoDrafter"].generate(prompts[0], SamplingParams(max_new_tokens=8))
+    for eng in engines.values():
+        eng.generate(prompts[0], SamplingParams(max_new_tokens=16))
     for i, ids in enumerate(prompts):
         ref = None
         for name, kw in hf_rows.items():
@@ -160,35 +181,42 @@ def main() -> None:
             rows[name].setdefault("match", []).append(out == ref)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
-    base = statistics.median(rows["HF generate (target only)"]["tps"])
+    base, ours_base = statistics.median(rows[HF_BASE]["tps"]), statistics.median(rows[OURS_BASE]["tps"])
+    step_s = 1.0 / ours_base  # one target step (our target-only seconds per token)
     table = []
     for name, r in rows.items():
         med = statistics.median(r["tps"])
         st = RequestStats.total(r["stats"]) if r["stats"] else None
+        drafting = st is not None and st.drafted > 0
         table.append({
             "row": name, "tokens_per_s": round(med, 2), "ratio_vs_hf": round(med / base, 3),
-            "mean_acceptance_length": round(st.mean_acceptance_length, 3) if st else None,
-            "acceptance_rate": round(st.acceptance_rate, 3) if st else None,
-            "draft_s": round(st.draft_s, 2) if st else None, "verify_s": round(st.verify_s, 2) if st else None,
-            "draft_ms_per_step": round(1000 * st.draft_s / st.steps, 1) if st and st.steps else None,
-            "verify_ms_per_step": round(1000 * st.verify_s / st.steps, 1) if st and st.steps else None,
+            "ratio_vs_ours_target_only": round(med / ours_base, 3),
+            "mean_acceptance_length": round(st.mean_acceptance_length, 3) if drafting else None,
+            "acceptance_rate": round(st.acceptance_rate, 3) if drafting else None,
+            "drafted_per_step": round(st.drafted / st.steps, 2) if drafting else None,
+            "draft_cost_per_token_vs_target_step": round(st.draft_s / st.drafted / step_s, 4) if drafting else None,
+            "draft_ms_per_step": round(1000 * st.draft_s / st.steps, 2) if st and st.steps else None,
+            "verify_ms_per_step": round(1000 * st.verify_s / st.steps, 2) if st and st.steps else None,
             "outputs_equal_hf_greedy": all(r["match"]),
         })
-    meta = {"target": target.model_id, "drafter": str(ddir), "drafter_version": drafter.version,
-            "drafter_head_rows": None if drafter.kept_ids is None else len(drafter.kept_ids), "k": k,
-            "max_new_tokens": n, "prompts": len(prompts), "device": args.device,
+    meta = {"target": target.model_id, "eagle": args.eagle, "model_drafter": args.drafter, "k": k,
+            "k_max_adaptive": args.k_max, "max_new_tokens": n, "prompts": len(prompts), "device": args.device,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+            "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
+            "feature_overhead": overhead}
     print(f"\n{meta}\n")
-    print("| row | tokens/s (median) | × HF target-only | mean acc. length | acc. rate | draft / verify ms per step "
+    print("| row | tokens/s (median) | × HF target-only | × ours target-only | mean acc. length | acc. rate "
+          "| draft tokens / step | draft cost / token (× target step) | draft / verify ms per step "
           "| outputs = HF greedy |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         split = f"{t['draft_ms_per_step']} / {t['verify_ms_per_step']}" if t["verify_ms_per_step"] else "—"
-        print(f"| {t['row']} | {t['tokens_per_s']} | {t['ratio_vs_hf']} | {t['mean_acceptance_length'] or '—'} | "
-              f"{t['acceptance_rate'] if t['acceptance_rate'] is not None else '—'} | {split} | "
-              f"{t['outputs_equal_hf_greedy']} |")
+        cells = [t["mean_acceptance_length"], t["acceptance_rate"], t["drafted_per_step"],
+                 t["draft_cost_per_token_vs_target_step"]]
+        print(f"| {t['row']} | {t['tokens_per_s']} | {t['ratio_vs_hf']} | {t['ratio_vs_ours_target_only']} | "
+              + " | ".join("—" if c is None else str(c) for c in cells)
+              + f" | {split} | {t['outputs_equal_hf_greedy']} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
 

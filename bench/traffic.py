@@ -39,11 +39,16 @@ from runtime.trace import RequestTrace, StepRecord
 
 _CHARACTERS = ["a shy dragon", "a little robot", "an old fisherman", "a curious cat", "two best friends",
                "a lonely lighthouse keeper", "a brave mouse", "a girl named Mia", "a boy named Sam",
-               "a talking tree", "a lost puppy", "a young wizard", "a grumpy bear", "a tiny snail"]
+               "a talking tree", "a lost puppy", "a young wizard", "a grumpy bear", "a tiny snail",
+               "a clumsy giraffe", "a retired pirate", "a sleepy owl", "a girl named Priya", "an old clockmaker",
+               "a family of rabbits"]
 _EVENTS = ["finds a hidden door in the forest", "learns to share", "wants to see the sea for the first time",
            "is afraid of the dark", "makes a new friend at school", "loses a favourite toy",
            "helps a bird fix its nest", "plants a magic seed", "goes on a trip to the moon",
-           "bakes a cake for grandma", "gets lost in a big city", "wins a race by being kind"]
+           "bakes a cake for grandma", "gets lost in a big city", "wins a race by being kind",
+           "finds a map in the attic", "has to cross a river during a storm", "builds a snowman that comes alive",
+           "forgets a friend's birthday", "hears music coming from under the ground", "opens a small bakery",
+           "must return a lost key", "learns to ride a bicycle"]
 _CODE_TASKS = ["returns the n-th Fibonacci number", "checks whether a string is a palindrome",
                "counts the vowels in a string", "reverses a linked list", "merges two sorted lists",
                "removes duplicates from a list while keeping order", "computes the factorial of n",
@@ -52,23 +57,48 @@ _CODE_TASKS = ["returns the n-th Fibonacci number", "checks whether a string is 
                "returns the GCD of two integers", "sorts a list of dictionaries by a key",
                "reads a CSV file and returns its rows", "implements binary search",
                "validates an email address with a regular expression", "transposes a matrix",
-               "computes the moving average of a list", "checks whether two strings are anagrams"]
+               "computes the moving average of a list", "checks whether two strings are anagrams",
+               "counts the lines in a text file", "returns the second largest number in a list",
+               "converts a Roman numeral to an integer", "capitalises every word in a sentence",
+               "computes the sum of the digits of an integer", "rotates a list by k positions",
+               "checks whether brackets in a string are balanced", "returns all prime numbers below n",
+               "groups words by their first letter", "computes the median of a list",
+               "converts a dictionary to a JSON string", "finds the longest word in a sentence",
+               "merges two dictionaries", "counts how often each character appears in a string",
+               "returns the intersection of two lists", "generates the first n rows of Pascal's triangle",
+               "checks whether a year is a leap year", "splits a list into chunks of size n",
+               "computes the dot product of two vectors", "removes all whitespace from a string"]
 _CODE_FORMS = ["Write a Python function that {t}.", "Write a Python function that {t}. Add a docstring.",
                "Implement in Python a function that {t}, with type hints.",
-               "Show Python code for a function that {t}, and a short example of calling it."]
+               "Show Python code for a function that {t}, and a short example of calling it.",
+               "Write a short Python function that {t} and explain how it works.",
+               "Give me a Python one-function solution that {t}."]
 _HOWTO = ["make a cup of tea", "change a flat bicycle tyre", "prepare for a job interview", "start a vegetable garden",
           "clean a laptop keyboard", "write a good cover letter", "learn a new language",
           "plan a weekend trip", "set up a budget", "fall asleep faster", "cook rice on the stove",
-          "organise a small desk", "back up the photos on a phone", "improve handwriting", "train for a 5 km run"]
+          "organise a small desk", "back up the photos on a phone", "improve handwriting", "train for a 5 km run",
+          "make pancakes", "repot a house plant", "write a thank-you note", "reduce stress before an exam",
+          "wash a wool sweater", "save money on groceries", "prepare a short presentation", "care for a new puppy",
+          "paint a room", "make a simple website", "start journaling", "choose a good password",
+          "tie a tie", "make friends in a new city", "keep a sourdough starter alive"]
 _INSTR_FORMS = ["Give step-by-step instructions to {t}.", "How do I {t}? Answer with numbered steps.",
-                "Explain briefly how to {t}.", "List the steps to {t}."]
+                "Explain briefly how to {t}.", "List the steps to {t}.", "What is the easiest way to {t}?",
+                "I want to {t}. Where should I start?"]
 _TOPICS = ["photosynthesis", "how vaccines work", "the water cycle", "black holes", "inflation", "the internet",
            "machine learning", "the French revolution", "plate tectonics", "climate change", "DNA",
-           "supply and demand", "the immune system", "electric cars", "the solar system", "democracy"]
+           "supply and demand", "the immune system", "electric cars", "the solar system", "democracy",
+           "the Roman empire", "how airplanes fly", "volcanoes", "the printing press", "antibiotics",
+           "renewable energy", "the human brain", "coral reefs", "how bread rises", "the moon landing",
+           "earthquakes", "the stock market", "rainbows", "honey bees", "the Great Wall of China", "recycling",
+           "how batteries work", "the Renaissance", "deserts", "GPS", "sleep", "the ocean tides", "music theory",
+           "the Olympic games", "dinosaurs", "clouds", "cryptography", "the periodic table", "rainforests",
+           "how the heart works", "the industrial revolution", "magnets", "glaciers", "human evolution"]
 _GENERAL_FORMS = ["Explain {t} in simple terms.", "Write a paragraph about {t}.", "What are three facts about {t}?",
-                  "Summarise what is known about {t} for a child.", "Why does {t} matter?"]
+                  "Summarise what is known about {t} for a child.", "Why does {t} matter?",
+                  "Give a short introduction to {t}.", "What is a common misconception about {t}?",
+                  "Describe {t} in two or three sentences."]
 
-DOMAINS = ("stories", "code", "instructions", "general")
+DOMAINS = ("stories", "code", "instructions", "topics", "general")
 
 
 def start_run(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -88,7 +118,8 @@ THREADS_HELP = "torch CPU threads (1 avoids OpenMP spin contention on a shared b
 
 
 def prompt_pool(domain: str, n: int, seed: int = 0) -> list[str]:
-    """`n` distinct-as-possible chat prompts of one domain (deterministic in `seed`)."""
+    """`n` chat prompts of one domain (deterministic in `seed`), all distinct while n is at most
+    the pool's size (stories 400, code 240, instructions 180, topics 400, general 750)."""
     if domain not in DOMAINS:
         raise ValueError(f"unknown domain {domain!r}: choose one of {DOMAINS}")
     if domain == "stories":
@@ -97,11 +128,16 @@ def prompt_pool(domain: str, n: int, seed: int = 0) -> list[str]:
         pool = [f.format(t=t) for f in _CODE_FORMS for t in _CODE_TASKS]
     elif domain == "instructions":
         pool = [f.format(t=t) for f in _INSTR_FORMS for t in _HOWTO]
+    elif domain == "topics":  # explanations of general topics only
+        pool = [f.format(t=t) for f in _GENERAL_FORMS for t in _TOPICS]
     else:
-        pool = [f.format(t=t) for f in _GENERAL_FORMS for t in _TOPICS] + prompt_pool("stories", 60, seed) \
-            + prompt_pool("code", 40, seed) + prompt_pool("instructions", 40, seed)
+        pool = [f.format(t=t) for f in _GENERAL_FORMS for t in _TOPICS] + prompt_pool("stories", 150, seed) \
+            + prompt_pool("code", 100, seed) + prompt_pool("instructions", 100, seed)
     rng = random.Random(f"{domain}-{seed}")
     rng.shuffle(pool)
+    if n > len(pool):
+        logging.getLogger(__name__).warning("prompt pool %r has %d distinct prompts: %d requested, so some repeat",
+                                            domain, len(pool), n)
     return [pool[i % len(pool)] for i in range(n)]
 
 

@@ -2,7 +2,8 @@
 
 Sections are typed dataclasses with defaults. An environment variable
 `LIVEDRAFT_<SECTION>__<FIELD>` (double underscore) overrides `[section] field`
-in the file; `LIVEDRAFT_CONFIG` names the file; `LIVEDRAFT_DATA_DIR` sets
+in the file; `LIVEDRAFT_CONFIG` names the file; `LIVEDRAFT_API_KEY` sets `[serve] api_key`;
+`LIVEDRAFT_DATA_DIR` sets
 `data_dir`. Unknown keys are errors, so a typo never silently does nothing.
 """
 
@@ -32,18 +33,17 @@ class StoreConfig:
 @dataclass
 class StreamConfig:
     kind: str = "sql"  # "sql" (embedded, the default), "kafka" or "memory"
-    topic: str = "livedraft.traces"
-    dead_letter_topic: str = "livedraft.dead-letters"
-    bootstrap_servers: str = "127.0.0.1:9092"
-    partitions: int = 4
-    consumer_group: str = "livedraft-collector"
+    topic: str = "livedraft.traces"  # Kafka topic / embedded-stream name of the trace events
+    bootstrap_servers: str = "127.0.0.1:9092"  # Kafka brokers, comma-separated
+    partitions: int = 4  # partitions of the Kafka topic (keyed by request id), created if missing
+    consumer_group: str = "livedraft-collector"  # the collector's consumer group
     queue_size: int = 10000  # bounded emit queue in the runtime; overflow is dropped and counted
-    linger_ms: int = 20
-    batch_size: int = 262144
-    batch_max_records: int = 500
+    linger_ms: int = 20  # Kafka producer linger
+    batch_size: int = 262144  # Kafka producer batch bytes
+    batch_max_records: int = 500  # records per poll (collector, cache maintainer)
     kafka_compression: str = ""  # "", "gzip" (lz4/zstd/snappy need their libraries); "" is fastest on localhost
     kafka_session_timeout_ms: int = 6000  # consumer group liveness (Kafka's default floor is 6000)
-    kafka_heartbeat_interval_ms: int = 1000
+    kafka_heartbeat_interval_ms: int = 1000  # Kafka consumer heartbeat
     sql_url: str = ""  # embedded stream (kind "sql"): its database; empty = the store's URL
     sql_poll_interval_s: float = 0.05  # embedded stream: how often an idle consumer re-reads the log
     # embedded stream: the daemon prunes records older than this that every consumer group has
@@ -54,6 +54,8 @@ class StreamConfig:
 @dataclass
 class ModelsConfig:
     cache_dir: str = "~/.cache/livedraft/models"  # GGUF files are converted to safetensors here
+    device: str = "auto"  # cpu, cuda, cuda:N or auto (CUDA when available)
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16
 
 
 @dataclass
@@ -61,20 +63,29 @@ class TrainerConfig:
     """Online distillation (online/trainer) and its promotion gate."""
 
     loss: str = "fkl"  # soft-label divergence: fkl, rkl, jsd, tvd (online/trainer/losses.py)
-    lr: float = 1e-3
+    lr: float = 1e-3  # learning rate (AdamW)
     steps: int = 60  # optimizer steps; training stops at steps or max_seconds, whichever first
     max_seconds: float = 0.0  # wall-clock budget; 0 = none
     batch_size: int = 8  # traces per step (padded batch)
     ce_weight: float = 0.5  # cross-entropy on the target's tokens at every output position
     jsd_beta: float = 0.5  # only for loss = "jsd"
-    seed: int = 0
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
+    seed: int = 0  # training is deterministic in this seed
+    max_grad_norm: float = 1.0  # gradient clipping
+    weight_decay: float = 0.0  # AdamW weight decay
     lora: bool = False  # train a LoRA adapter (merged before saving) instead of all weights
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
+    lora_r: int = 8  # LoRA rank (model drafters, lora = true)
+    lora_alpha: int = 16  # LoRA alpha
+    lora_dropout: float = 0.0  # LoRA dropout
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated module names
+    # -- eagle (EAGLE-3 feature drafter) rounds --
+    ttt_steps: int = 3  # training-time test: the head unrolled on its own outputs this many steps
+    ttt_decay: float = 1.0  # step j of the unrolled loss weighs ttt_decay ** j
+    prompt_weight: float = 0.1  # weight of prompt positions (output positions weigh 1)
+    rejected_weight: float = 1.0  # extra weight where the served draft was rejected (OSD)
+    warmup_steps: int = 10  # linear learning-rate warm-up, then cosine decay to 10 %
+    draft_vocab: int = 8192  # draft vocabulary of a new head: the log's most frequent target tokens
+    # -- crossvocab (OmniDraft hybrid distillation) --
+    ngram_weight: float = 1.0  # extra cross-entropy weight where several drafter tokens spell one target token
     promote_margin: float = 0.05  # candidate must beat the champion's held-out mean acceptance length by this
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
@@ -91,11 +102,11 @@ class RegistryConfig:
     tracking_uri: str = ""  # empty: sqlite:///<data_dir>/mlflow.db (never the project's own DB)
     registry_uri: str = ""  # empty: the tracking URI
     artifact_root: str = ""  # empty: <data_dir>/mlartifacts
-    experiment: str = "livedraft-trainer"
-    model_name: str = "livedraft-drafter"
+    experiment: str = "livedraft-trainer"  # MLflow experiment holding the rounds
+    model_name: str = "livedraft-drafter"  # registered model holding the drafter versions
     cache_dir: str = ""  # empty: <data_dir>/drafters (downloaded registry versions)
-    ui_host: str = "127.0.0.1"
-    ui_port: int = 5000
+    ui_host: str = "127.0.0.1"  # `livedraft ui` bind address
+    ui_port: int = 5000  # `livedraft ui` port
 
 
 @dataclass
@@ -107,10 +118,12 @@ class CacheConfig:
     max_tokens: int = 0  # bound on their total tokens as well (0 = none)
     max_depth: int = 24  # suffix: max match + draft length (and tree depth)
     max_spec_factor: float = 1.0  # suffix: a match of m tokens drafts at most factor*m + offset
-    max_spec_offset: float = 0.0
+    max_spec_offset: float = 0.0  # suffix: see max_spec_factor
     min_token_prob: float = 0.1  # stop drafting once the path probability falls below this
     ngram_max_n: int = 3  # ngram: longest context
-    tag_scoped: bool = False  # one cache per trace tag (tenant): no cross-tenant drafts
+    # one cache per trace tag (tenant): no draft of one tenant's request comes from another's outputs
+    # (speculation patterns are a side channel, arXiv 2411.01076); false shares one cache: an explicit opt-in
+    tag_scoped: bool = True
     include_prompt: bool = False  # cache prompt + output (default: outputs only, as SuffixDecoding)
     consumer_group: str = "livedraft-cache"  # the maintainer's consumer group
     snapshot_every_s: float = 60.0  # maintainer: snapshot at most this often when there is news ...
@@ -123,17 +136,27 @@ class CacheConfig:
 class ServeConfig:
     """`livedraft serve`: the HTTP API in front of the engine, and drafter hot-swap."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8000  # listen port (0 = any free port)
+    max_batch: int = 8  # requests decoded together (continuous batching); 8 suits a 2-core CPU
     max_queue: int = 64  # requests waiting for the engine, all clients; beyond: 503
-    max_queue_per_client: int = 16  # per X-Client-Id (or address); beyond: 429
-    max_body_bytes: int = 1048576
-    default_max_tokens: int = 64
-    request_timeout_s: float = 300.0
+    max_queue_per_client: int = 16  # per client (API key tenant, else address); beyond: 429
+    max_body_bytes: int = 1048576  # larger request bodies: 413
+    max_header_bytes: int = 16384  # larger request line + headers: 400
+    default_max_tokens: int = 64  # when a request gives no max_tokens
+    request_timeout_s: float = 300.0  # a request not finished by then: 504
+    read_timeout_s: float = 10.0  # a request body that stops arriving for this long: 408
+    header_timeout_s: float = 10.0  # request headers that do not complete within this: connection closed
+    keep_alive_s: float = 5.0  # idle keep-alive connections are closed after this
+    api_key: str = ""  # clients must send `Authorization: Bearer <key>` on /v1 (env LIVEDRAFT_API_KEY)
+    api_keys_file: str = ""  # JSON or TOML {"key": "tenant"}: each key's requests carry its tenant's tag
+    protect_metrics: bool = False  # with API keys, /metrics and /healthz need a key too
+    trust_client_id: bool = False  # queue fairness by the X-Client-Id header (only behind a trusted proxy)
+    durable_traces: bool = False  # answer only once the request's trace is flushed to the stream
     drain_timeout_s: float = 30.0  # on SIGTERM: finish queued requests for this long
-    k: int = 4  # draft length (fixed mode)
-    adaptive: bool = False  # adaptive draft length, up to k_max
-    k_max: int = 8
+    k: int = 4  # draft length (fixed mode, adaptive = false)
+    adaptive: bool = True  # k per step for the most expected tokens/s, 0 (no drafting) to k_max
+    k_max: int = 8  # upper bound on k in adaptive mode
     torch_threads: int = 0  # torch intra-op threads; 0 = torch's default (set 1 on a busy small machine)
     watch_registry: bool = False  # hot-swap the registry's champion
     poll_s: float = 5.0  # how often the champion alias is polled
@@ -161,7 +184,7 @@ class DaemonConfig:
 
 @dataclass
 class Config:
-    data_dir: str = "~/.livedraft"
+    data_dir: str = "~/.livedraft"  # everything local lives here (env LIVEDRAFT_DATA_DIR)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -187,6 +210,8 @@ def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | Non
     """File (explicit path, else $LIVEDRAFT_CONFIG, else none) then environment overrides."""
     env = dict(os.environ) if env is None else env
     path = path or env.get(ENV_PREFIX + "CONFIG")
+    if ENV_PREFIX + "API_KEY" in env:  # vLLM's VLLM_API_KEY convention, for [serve] api_key
+        env = {("LIVEDRAFT_SERVE__API_KEY" if k == ENV_PREFIX + "API_KEY" else k): v for k, v in env.items()}
     raw: dict[str, Any] = {}
     if path:
         p = Path(path).expanduser()

@@ -2,7 +2,7 @@
 
 The hot-swapper polls `current()` every few seconds (one registry read, no
 download), calls `load()` in its watcher thread when the champion moved
-(download into the local cache + load the model drafter), and reports a
+(download into the local cache + load the drafter, model or eagle), and reports a
 post-swap collapse through `report_rollback()` (tag the version, move
 `champion` back to `previous`). Drafters it loads carry the registry version
 as their `version`, so traces name the version that served them.
@@ -15,7 +15,7 @@ import time
 
 from online.registry import DrafterRegistry
 from runtime.drafters.base import Drafter
-from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.factory import load_drafter
 from runtime.errors import LivedraftError
 from runtime.hotswap import DrafterRef
 from runtime.loader import LoadedModel
@@ -58,13 +58,13 @@ class RegistryDrafterSource:
         except ValueError:
             raise LivedraftError(f"{ref.version!r} is not a registry version of {self.registry.name}") from None
         path = self.registry.download(version)
-        return load_model_drafter(path, self.target, version=ref.version)
+        return load_drafter(path, self.target, version=ref.version)
 
     def load_champion(self) -> tuple[DrafterRef, Drafter]:
         """The champion now, loaded (what a server starts with). Raises RegistryError without one."""
         local = self.registry.champion()
         ref = self.ref(local.version)
-        return ref, load_model_drafter(local.path, self.target, version=ref.version)
+        return ref, load_drafter(local.path, self.target, version=ref.version)
 
     def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> None:
         """Tags the version rolled back and moves `champion` back to `previous`; logs failures."""

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 PREVIOUS = "previous"
 DRAFTER_ARTIFACTS = "drafter"  # artifact sub-path holding the drafter directory
+SPECULATORS_ARTIFACTS = "speculators"  # eagle versions: the same head as vLLM loads it (speculators Eagle3)
 
 
 class RegistryError(LivedraftError):
@@ -74,7 +75,7 @@ class RegistrySettings:
 @dataclass
 class LocalDrafter:
     version: int
-    path: Path  # a drafter directory: load it with runtime.drafters.factory.load_model_drafter
+    path: Path  # a drafter directory: load it with runtime.drafters.factory.load_drafter
 
 
 @dataclass
@@ -131,24 +132,74 @@ class DrafterRegistry:
         current = self.champion_version()
         if current is not None:
             return current
-        src = Path(initial_drafter_dir)
+        return self.register(initial_drafter_dir, alias=CHAMPION, target_model=target_model, kind="bootstrap")
+
+    def register(self, drafter_dir: str | os.PathLike, *, alias: str | None = None, target_model: str = "",
+                 kind: str = "register") -> int:
+        """Logs `drafter_dir` (a model or eagle drafter directory) as a run and registers it as a new
+        version; with `alias` "champion" it is promoted (the old champion becomes `previous`), with
+        another alias that alias is set. Returns the version. Raises RegistryError for a directory
+        that is not a drafter."""
+        from runtime.drafters.factory import drafter_kind
+
+        src = Path(drafter_dir)
         if not (src / "config.json").is_file():
-            raise RegistryError(f"{src} is not a drafter directory (no config.json): derive one with "
-                                "`livedraft drafter init`")
+            raise RegistryError(f"{src} is not a drafter directory (no config.json): make one with "
+                                "`livedraft drafter init` (or `drafter train`)")
         meta = read_drafter_meta(src)
-        run = self._start_run("bootstrap", {"livedraft.kind": "bootstrap"})
+        run = self._start_run(kind, {"livedraft.kind": kind})
         try:
-            self.client.log_artifacts(run.info.run_id, str(src), DRAFTER_ARTIFACTS)
-            version = self._register(run, {"kind": "bootstrap", "source_dir": str(src.resolve()),
+            self._log_drafter(run.info.run_id, src)
+            version = self._register(run, {"kind": kind, "source_dir": str(src.resolve()),
                                            "drafter_version": str(meta.get("version", src.name)),
-                                           "target_model": target_model})
+                                           "drafter_kind": drafter_kind(src), "target_model": target_model})
         except BaseException:
             self.client.set_terminated(run.info.run_id, "FAILED")
             raise
         self.client.set_terminated(run.info.run_id)
-        self.promote(version)
-        log.info("registry: bootstrapped %s version %d from %s", self.name, version, src)
+        if alias == CHAMPION:
+            self.promote(version)
+        elif alias:
+            self.client.set_registered_model_alias(self.name, alias, str(version))
+        log.info("registry: registered %s as %s version %d%s", src, self.name, version,
+                 f" ({alias})" if alias else "")
         return version
+
+    def rollback(self, reason: str = "manual rollback") -> int:
+        """Moves `champion` back to `previous` and tags the version it leaves. Returns the new
+        champion. Raises RegistryError when there is no champion or no previous version."""
+        champion, previous = self.champion_version(), self._alias(PREVIOUS)
+        if champion is None:
+            raise RegistryError(f"{self.name} has no {CHAMPION!r} version to roll back")
+        if previous is None:
+            raise RegistryError(f"{self.name} version {champion} has no {PREVIOUS!r} version to return to: "
+                                "promote a version instead (`livedraft drafter promote N`)")
+        back = self.tag_rolled_back(champion, {}, reason=reason)
+        return back if back is not None else champion
+
+    def local(self, ref: str) -> LocalDrafter:
+        """A registry reference — a version number, an alias, or an MLflow model URI
+        (models:/<name>/<version>, models:/<name>@<alias>) — downloaded. Raises RegistryError."""
+        name, sel = self.name, ref
+        if ref.startswith("models:/"):
+            body = ref[len("models:/"):]
+            name, sep, sel = body.partition("@") if "@" in body else body.partition("/")
+            if not sep or not name or not sel:
+                raise RegistryError(f"{ref!r}: expected models:/<name>/<version> or models:/<name>@<alias>")
+        reg = self if name == self.name else DrafterRegistry(dataclasses.replace(self.settings, model_name=name))
+        if sel.isdigit():
+            version = int(sel)
+        else:
+            version = reg._alias(sel)
+            if version is None:
+                raise RegistryError(f"registered model {name!r} has no alias {sel!r} (see `livedraft drafter list`)")
+        from mlflow.exceptions import MlflowException
+
+        try:
+            reg.client.get_model_version(name, str(version))
+        except MlflowException:
+            raise RegistryError(f"registered model {name!r} has no version {version}") from None
+        return LocalDrafter(version, reg.download(version))
 
     def champion_version(self) -> int | None:
         """The version under alias `champion`, or None. Cheap: one store read, no download."""
@@ -291,13 +342,24 @@ class DrafterRegistry:
         metrics = [Metric(k, v, int(time.time() * 1000), step) for k, v, step in _round_metrics(result)]
         for i in range(0, len(metrics), 1000):  # MLflow's per-batch limit
             self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
-        self.client.log_artifacts(run_id, str(result.candidate_dir), DRAFTER_ARTIFACTS)
+        self._log_drafter(run_id, result.candidate_dir)
         with tempfile.TemporaryDirectory() as tmp:
             plot = replay_plot(result, Path(tmp) / "replay_acceptance.png")
             summary = Path(tmp) / "round.json"
             summary.write_text(json.dumps(dataclasses.asdict(result), default=str, indent=1))
             self.client.log_artifact(run_id, str(plot), "plots")
             self.client.log_artifact(run_id, str(summary))
+
+    def _log_drafter(self, run_id: str, drafter_dir: Path) -> None:
+        """The drafter directory as the run's artifact (what versions point at); an eagle head
+        also as its speculators export, which vLLM's --speculative-config loads."""
+        from runtime.drafters.eagle import export_speculators, is_eagle_dir
+
+        self.client.log_artifacts(run_id, str(drafter_dir), DRAFTER_ARTIFACTS)
+        if is_eagle_dir(drafter_dir):
+            with tempfile.TemporaryDirectory() as tmp:
+                self.client.log_artifacts(run_id, str(export_speculators(drafter_dir, Path(tmp) / "x")),
+                                          SPECULATORS_ARTIFACTS)
 
     def _alias(self, alias: str) -> int | None:
         v = (self._aliases() or {}).get(alias)
@@ -388,8 +450,11 @@ def start_ui(settings: RegistrySettings, *, host: str = "127.0.0.1", port: int =
 
 
 def _version_tags(result: RoundResult, target_model: str) -> dict[str, str]:
+    from runtime.drafters.factory import drafter_kind
+
     return {
         "kind": "round", "parent_version": result.champion_version, "drafter_version": result.candidate_version,
+        "drafter_kind": drafter_kind(result.candidate_dir),
         "target_model": target_model, "loss": result.config.loss, "data_window": json.dumps(result.window),
         "promoted": str(result.promoted).lower(), "reason": result.reason,
         "candidate_mean_acceptance_length": f"{result.candidate.mean_acceptance_length:.4f}",

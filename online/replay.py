@@ -5,7 +5,9 @@ ReplayTarget that reads each greedy trace's logged output, so the drafter's
 mean acceptance length, acceptance rate and per-position acceptance are
 exactly what serving that traffic with it would have measured — without the
 target. Sampled (temperature > 0) traces are skipped in this mode; pass a
-target to re-execute them.
+target to re-execute them. A drafter that reads the target's hidden states
+(EAGLE-3) needs them per trace: `features(trace)` recomputes them teacher-forced
+(one target forward over prompt + output; online.trainer.features).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.adaptive import DraftLengthConfig
+import torch
+
+from runtime.adaptive import CostModel, DraftLengthConfig
 from runtime.drafters.base import Drafter
 from runtime.engine import STOP_STRING, EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.replay_target import ReplayTarget
@@ -42,6 +46,7 @@ class ReplayReport:
     skipped_sampled: int = 0
     cost_ratio: float = 0.0
     outputs_match: bool = True  # every replayed output equals the logged one (greedy sanity check)
+    traces: list[RequestTrace] = field(default_factory=list)  # keep_traces: what serving would have logged
 
     @property
     def est_speedup(self) -> float:
@@ -73,34 +78,50 @@ def replay_traces(
     vocab_size: int | None = None,
     cost_ratio: float = 0.1,
     after_each: Callable[[RequestTrace], None] | None = None,
+    features: Callable[[RequestTrace], torch.Tensor] | None = None,
+    verify_slope: float = 0.1,
+    keep_traces: bool = False,
 ) -> ReplayReport:
     """Teacher-forced replay of greedy traces, in order. `vocab_size` defaults to the drafter's
     target vocab (model drafters) or the largest logged token id + 1. `after_each(trace)` runs
     after each greedy trace (e.g. adds its output to a global cache, so request i drafts from
-    requests < i as a live replica tailing the log would)."""
+    requests < i as a live replica tailing the log would). `features(trace)` gives the target's
+    hidden states over prompt + output [N, F]; a drafter with `uses_features` needs it
+    (ValueError otherwise). Adaptive draft length decides on a synthetic cost model — a draft
+    token costs `cost_ratio` of a target step, each verified position `verify_slope` more —
+    since replay's own timings say nothing about serving; a live engine given the same model
+    (`CostModel.synthetic`, measure_costs False) makes the same choices. `keep_traces`: the
+    report also holds the trace serving each request with this drafter would have logged."""
     traces = list(traces)
     greedy = [t for t in traces if t.greedy]
+    if drafter.uses_features and features is None:
+        raise ValueError(f"drafter {drafter.version} reads the target's hidden states: replay it with a "
+                         "target (--target), which recomputes them teacher-forced")
     vocab = vocab_size or getattr(drafter, "target_vocab_size", None) or _max_id(greedy) + 1
     target = ReplayTarget(vocab)
     engine = SpeculativeEngine(target, drafter, eos_ids=set(), max_context=10**9,
-                               config=EngineConfig(draft=length or DraftLengthConfig(), topk_logprobs=0))
-    report = ReplayReport(str(getattr(drafter, "version", "?")), RequestStats(requests=0),
+                               config=EngineConfig(draft=length or DraftLengthConfig(), topk_logprobs=0,
+                                                   measure_costs=False))
+    engine.costs = CostModel.synthetic(cost_ratio, verify_slope)
+    report = ReplayReport(drafter.version, RequestStats(requests=0),
                           skipped_sampled=len(traces) - len(greedy), cost_ratio=cost_ratio)
     for t in greedy:
         if t.output_ids and t.prompt_ids:
-            _replay_one(engine, target, t, report)
+            target.load(t, features(t) if drafter.uses_features else None)
+            _replay_one(engine, t, report, keep_traces)
         if after_each is not None:
             after_each(t)
     return report
 
 
-def _replay_one(engine: SpeculativeEngine, target: ReplayTarget, t: RequestTrace, report: ReplayReport) -> None:
-    target.load(t)
+def _replay_one(engine: SpeculativeEngine, t: RequestTrace, report: ReplayReport, keep: bool) -> None:
     # A request that stopped did so on its last token, which appears nowhere earlier.
     engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
     res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id,
                           tag=t.tag, on_tokens=_until_logged_end(t) if t.finish_reason == STOP_STRING else None)
     report.outputs_match &= res.output_ids == t.output_ids
+    if keep:
+        report.traces.append(res.trace)
     report.stats = report.stats.merge(res.stats)
     tag = t.tag or "(none)"
     report.per_tag[tag] = report.per_tag.get(tag, RequestStats(requests=0)).merge(res.stats)

@@ -9,11 +9,12 @@ flushes the event sink.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from online.config import Config
+from online.config import Config, ConfigError
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.none import NoDrafter
@@ -21,7 +22,7 @@ from runtime.engine import EngineConfig, SpeculativeEngine
 from runtime.errors import LivedraftError, ModelLoadError
 from runtime.hotswap import DrafterSource, HotSwapper, RollbackConfig
 from runtime.loader import LoadedModel
-from runtime.server import CompletionServer, ServerOptions
+from runtime.server import CompletionServer, ServerOptions, read_api_keys
 from runtime.sinks import EventSink
 from runtime.slot import DrafterSlot
 
@@ -55,6 +56,27 @@ class ServingHandle:
         return drained
 
 
+def server_options(cfg: Config, host: str | None = None, port: int | None = None) -> ServerOptions:
+    """[serve] as the server's options (host/port overridden when given). Raises ConfigError on bad
+    limits, LivedraftError on an unreadable keys file."""
+    s = cfg.serve
+    for key in ("max_batch", "max_queue", "max_queue_per_client", "max_body_bytes", "max_header_bytes",
+                "default_max_tokens"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"[serve] {key} must be >= 1, got {getattr(s, key)}")
+    for key in ("request_timeout_s", "read_timeout_s", "header_timeout_s", "keep_alive_s", "drain_timeout_s"):
+        if not getattr(s, key) > 0:
+            raise ConfigError(f"[serve] {key} must be > 0, got {getattr(s, key)}")
+    return ServerOptions(
+        host=s.host if host is None else host, port=s.port if port is None else port,
+        max_queue=s.max_queue, max_queue_per_client=s.max_queue_per_client, max_body_bytes=s.max_body_bytes,
+        max_header_bytes=s.max_header_bytes, default_max_tokens=s.default_max_tokens,
+        request_timeout_s=s.request_timeout_s, read_timeout_s=s.read_timeout_s, header_timeout_s=s.header_timeout_s,
+        keep_alive_s=s.keep_alive_s, api_keys=read_api_keys(s.api_key, s.api_keys_file),
+        protect_metrics=s.protect_metrics, trust_client_id=s.trust_client_id, durable_traces=s.durable_traces,
+    )
+
+
 def start_serving(
     cfg: Config,
     *,
@@ -64,6 +86,7 @@ def start_serving(
     sink: EventSink | None = None,
     host: str | None = None,
     port: int | None = None,
+    dead_letters: Callable[[], int] | None = None,
 ) -> ServingHandle:
     """Starts serving `target` and returns once the socket listens (port 0 = a free port).
 
@@ -86,19 +109,15 @@ def start_serving(
         initial_drafter = NoDrafter()
     slot = DrafterSlot(initial_drafter)
     length = DraftLengthConfig(k=s.k_max, adaptive=True) if s.adaptive else DraftLengthConfig(k=s.k)
-    engine = SpeculativeEngine.for_model(target, slot, EngineConfig(draft=length), sink=sink)
+    engine = SpeculativeEngine.for_model(target, slot, EngineConfig(draft=length, max_batch=s.max_batch), sink=sink)
     swapper = None
     if drafter_source is not None:
         swapper = HotSwapper(slot, drafter_source, poll_s=s.poll_s, initial=initial_ref, rollback=RollbackConfig(
             window=s.rollback_window, min_requests=s.rollback_min_requests, max_drop=s.rollback_max_drop))
-    options = ServerOptions(
-        host=s.host if host is None else host, port=s.port if port is None else port,
-        max_queue=s.max_queue, max_queue_per_client=s.max_queue_per_client, max_body_bytes=s.max_body_bytes,
-        default_max_tokens=s.default_max_tokens, request_timeout_s=s.request_timeout_s,
-    )
+    options = server_options(cfg, host, port)
     try:
         server = CompletionServer(engine, target.tokenizer, model_id=target.model_id, options=options,
-                                  swapper=swapper, sink=sink)
+                                  swapper=swapper, sink=sink, dead_letters=dead_letters)
     except OSError as e:
         raise ServeError(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}: "
                              "pick another --port (0 = any free port)") from e

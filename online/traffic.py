@@ -1,10 +1,14 @@
 """A small traffic generator for a livedraft server: open-loop requests at a rate, with a live line
-of mean acceptance length and drafter version (from the responses' `livedraft` block)."""
+of mean acceptance length, tokens/s and drafter version (from the responses' `livedraft` block).
+With `baseline_every=N` every N-th request asks to be served by the target alone (`"speculate":
+false`), so target-only tokens/s is measured in the same run, on the same server, beside the
+drafted requests."""
 
 from __future__ import annotations
 
 import json
 import queue
+import statistics
 import threading
 import time
 import urllib.error
@@ -25,6 +29,8 @@ class Completed:
     steps: int
     accepted: int
     output_ids: list[int]
+    tokens_per_s: float = 0.0  # the server's own measure: output tokens / time in the engine
+    speculate: bool = True  # False: a target-only baseline request
 
 
 @dataclass
@@ -42,24 +48,34 @@ class TrafficReport:
         return 1.0 + sum(c.accepted for c in items) / steps if steps else float("nan")
 
     def versions(self) -> list[str]:
-        """Drafter versions in the order they first served a request."""
+        """Drafter versions in the order they first served a (drafted) request."""
         seen: list[str] = []
         for c in sorted(self.completed, key=lambda c: c.finished_at):
-            if c.drafter_version not in seen:
+            if c.speculate and c.drafter_version not in seen:
                 seen.append(c.drafter_version)
         return seen
 
+    @staticmethod
+    def tokens_per_s(items: Sequence[Completed]) -> float:
+        """Median tokens/s of `items` (NaN for none)."""
+        return statistics.median(c.tokens_per_s for c in items) if items else float("nan")
+
 
 def complete(url: str, prompt: str | list[int], *, max_tokens: int, temperature: float = 0.0,
-             tag: str | None = None, seed: int | None = None, timeout_s: float = 600.0) -> dict:
+             tag: str | None = None, seed: int | None = None, timeout_s: float = 600.0,
+             speculate: bool = True, api_key: str | None = None) -> dict:
     """POST /v1/completions; returns the JSON body. Raises LivedraftError with the server's message."""
     body: dict = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    if not speculate:
+        body["speculate"] = False
     if seed is not None:
         body["seed"] = seed
     if tag:
         body["metadata"] = {"tag": tag}
-    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
@@ -83,10 +99,13 @@ def run_traffic(
     on_line: Callable[[str], None] | None = print,
     stop: threading.Event | None = None,
     timeout_s: float = 600.0,
+    baseline_every: int = 0,
+    api_key: str | None = None,
 ) -> TrafficReport:
     """Sends every prompt (request i scheduled at i / rate seconds; rate <= 0: as fast as
     `concurrency` allows), at most `concurrency` in flight. Blocks until all are answered or
-    `stop` is set. Prints a live line every `report_every_s` through `on_line` (None: quiet)."""
+    `stop` is set. Prints a live line every `report_every_s` through `on_line` (None: quiet).
+    `baseline_every` N > 0: requests N-1, 2N-1, ... are served by the target alone."""
     report = TrafficReport()
     jobs: queue.Queue = queue.Queue()
     for i, p in enumerate(prompts):
@@ -105,13 +124,15 @@ def run_traffic(
                 return
             with lock:
                 report.sent += 1
+            speculate = not (baseline_every > 0 and i % baseline_every == baseline_every - 1)
             try:
                 body = complete(url, prompt, max_tokens=max_tokens, temperature=temperature, tag=tag,
-                                timeout_s=timeout_s)
+                                timeout_s=timeout_s, speculate=speculate, api_key=api_key)
                 ld = body.get("livedraft", {})
                 s = ld.get("stats", {})
                 done = Completed(i, time.monotonic() - t0, str(ld.get("drafter_version", "?")),
-                                 int(s.get("steps", 0)), int(s.get("accepted", 0)), list(ld.get("output_ids", [])))
+                                 int(s.get("steps", 0)), int(s.get("accepted", 0)), list(ld.get("output_ids", [])),
+                                 float(s.get("tokens_per_s", 0.0)), speculate)
                 with lock:
                     report.completed.append(done)
             except LivedraftError as e:
@@ -139,16 +160,21 @@ def run_traffic(
 
 def _print_line(report: TrafficReport, elapsed: float, last_n: int, on_line: Callable[[str], None]) -> int:
     done = sorted(report.completed, key=lambda c: c.finished_at)
-    recent = done[last_n:]
-    version = done[-1].drafter_version if done else "-"
+    recent = [c for c in done[last_n:] if c.speculate]
+    drafted = [c for c in done if c.speculate]
+    version = drafted[-1].drafter_version if drafted else "-"
+    base = [c for c in done if not c.speculate]
+    speed = f"{_fmt(TrafficReport.tokens_per_s(recent), '.1f')} tok/s"
+    if base:
+        speed += f" (target alone: {_fmt(TrafficReport.tokens_per_s(base), '.1f')} tok/s)"
     on_line(f"[{elapsed:6.0f}s] {len(done)} done, {report.failed} failed | since last line: {len(recent)} requests, "
-            f"mean acceptance length {_fmt(TrafficReport.mal(recent))} | overall {_fmt(TrafficReport.mal(done))} "
-            f"| drafter {version}")
+            f"mean acceptance length {_fmt(TrafficReport.mal(recent))}, {speed} | overall "
+            f"{_fmt(TrafficReport.mal(drafted))} | drafter {version}")
     return len(done)
 
 
-def _fmt(x: float) -> str:
-    return "-" if x != x else f"{x:.2f}"  # NaN: no verify steps yet
+def _fmt(x: float, spec: str = ".2f") -> str:
+    return "-" if x != x else format(x, spec)  # NaN: nothing measured yet
 
 
 CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from runtime.drafters.base import Draft
+from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.trace import RequestTrace
 
 NAMES = ["Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Sam", "Mia", "Tim", "Zoe"]
@@ -92,7 +92,7 @@ def traces_from_pairs(pairs: Iterable[tuple[str, str, str]], encode: Callable[[s
             for i, (tag, p, o) in enumerate(pairs) for out in [encode(o)]]
 
 
-class HFPromptLookupDrafter:
+class HFPromptLookupDrafter(RowwiseDrafter):
     """transformers' PromptLookupCandidateGenerator as a Drafter (reference baseline).
 
     HF's defaults: max_matching_ngram_size 2, the first (leftmost) match in the context.
@@ -103,12 +103,13 @@ class HFPromptLookupDrafter:
         self.version = version
         self._live: set[str] = set()
 
-    def begin(self, req_id: str, prompt_ids: list[int]) -> None:
+    def begin(self, req_id: str, prompt_ids: list[int], *, tag: str | None = None) -> None:
         self._live.add(req_id)
 
-    def propose(self, req_id: str, context_ids: list[int], max_tokens: int, **_: object) -> Draft:
+    def propose_row(self, row: DraftRow) -> Draft:
         from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
+        req_id, context_ids, max_tokens = row.req_id, row.context, row.max_tokens
         if req_id not in self._live:
             raise ValueError(f"request {req_id!r} was not begun")
         if max_tokens <= 0:
@@ -119,8 +120,5 @@ class HFPromptLookupDrafter:
         cand, _ = gen.get_candidates(ids)
         return Draft(cand[0, len(context_ids):].tolist()[:max_tokens], "lookup")
 
-    def observe(self, req_id: str, accepted_ids: list[int], num_accepted: int) -> None:
-        pass
-
-    def end(self, req_id: str) -> None:
+    def end(self, req_id: str, output_ids: list[int] | None = None) -> None:
         self._live.discard(req_id)

@@ -1,17 +1,33 @@
-"""Draft length per step: fixed k, or adaptive (SpecDec++-style stop + per-position cap).
+"""Draft length per step: fixed k, or adaptive — the k that maximises expected tokens per second.
 
-Adaptive mode does two things. The drafter stops proposing once its own
-probability for the next token falls under `min_confidence` (the drafter's
-cheap estimate that the target will reject it). And k is capped at the last
-position whose estimated probability of being reached — the product of the
-per-position conditional acceptance rates observed so far in this request,
-smoothed with a Beta(prior, prior) prior — is at least `min_reach_prob`:
-drafting a token nobody will reach costs draft time and verify width.
+Adaptive mode picks, each step, the k in 0..k_max (0 = no drafting) with the most
+expected tokens per second of this step:
+
+    E(k) / (draft_s(k) + verify_s(k + 1)),   E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
+
+where a_j is the estimated probability that draft token j is accepted given the ones
+before it were (this request's counts, Beta-smoothed toward the drafter version's
+counts over all requests so far), and the two costs are measured online: seconds of a
+target forward by the number of tokens it fed, seconds of a drafter's propose by the
+number of tokens it drafted (`CostModel`). A drafter that does not pay is switched off
+(k = 0) and probed with one draft token every `probe_every` steps, so a drafter that
+starts paying (a hot-swapped version, a repetitive stretch for a suffix cache) is
+noticed. In a batch the widths are padded to the longest row, so the batch shares one
+cap K, chosen the same way over the sum of the rows' expected tokens: as the batch
+grows, verifying another position costs more rows of compute and the best K shrinks.
+
+The drafter also stops early on its own once its probability for its next token falls
+under `min_confidence` (SpecDec++ / HF `assistant_confidence_threshold`).
+
+Seeded sampled requests promise the same output every time, alone or batched, so their
+k must not depend on timings or on other requests: they use the acceptance-only rule
+(`deterministic_k`: the per-request reach-probability cap).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,8 +35,10 @@ class DraftLengthConfig:
     k: int = 4  # fixed k, and the upper bound in adaptive mode
     adaptive: bool = False
     min_confidence: float = 0.3
-    min_reach_prob: float = 0.2
-    prior: float = 1.0
+    min_reach_prob: float = 0.2  # seeded sampled requests: cap k where reaching it gets this unlikely
+    prior: float = 1.0  # Beta(prior, prior) smoothing of acceptance counts
+    prior_strength: float = 4.0  # pseudo-steps of the drafter version's acceptance a request starts from
+    probe_every: int = 8  # adaptive: with k = 0 best, draft one token every this many steps
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -29,35 +47,210 @@ class DraftLengthConfig:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
         if not 0.0 <= self.min_reach_prob < 1.0:
             raise ValueError(f"min_reach_prob must be in [0, 1), got {self.min_reach_prob}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+
+
+class Curve:
+    """Seconds as a function of tokens: an exponential moving average per measured token
+    count, read between measured points by linear interpolation and beyond them by the
+    slope of the last two. With one point (x0, y0): y0 * (1 + slope * (x - x0)) when a
+    `one_point_slope` is given (a prior that lets the engine try wider steps and measure
+    them), else proportionally from the origin."""
+
+    def __init__(self, decay: float = 0.2, one_point_slope: float | None = None) -> None:
+        self.decay, self.one_point_slope = decay, one_point_slope
+        self.xs: list[int] = []
+        self.ys: list[float] = []
+
+    def record(self, x: int, seconds: float) -> None:
+        """One measurement of x > 0 tokens (x <= 0 is ignored: nothing was done)."""
+        if x <= 0:
+            return
+        i = bisect.bisect_left(self.xs, x)
+        if i < len(self.xs) and self.xs[i] == x:
+            self.ys[i] += self.decay * (seconds - self.ys[i])
+        else:
+            self.xs.insert(i, x)
+            self.ys.insert(i, seconds)
+
+    def __call__(self, x: int) -> float | None:
+        """Estimated seconds for x tokens; None before any measurement."""
+        xs, ys = self.xs, self.ys
+        if not xs:
+            return None
+        if x <= 0:
+            return 0.0
+        i = bisect.bisect_left(xs, x)
+        if i < len(xs) and xs[i] == x:
+            return ys[i]
+        if len(xs) == 1:
+            if self.one_point_slope is not None:
+                return ys[0] * (1.0 + self.one_point_slope * (x - xs[0]))
+            return ys[0] * x / xs[0]
+        lo, hi = (i - 1, i) if 0 < i < len(xs) else ((0, 1) if i == 0 else (len(xs) - 2, len(xs) - 1))
+        slope = (ys[hi] - ys[lo]) / (xs[hi] - xs[lo])
+        return max(ys[lo] + slope * (x - xs[lo]), 0.0)
+
+
+@dataclass
+class CostModel:
+    """Measured step costs: the target by tokens fed per forward (rows x padded width), each
+    drafter version by tokens drafted per propose (summed over rows; key "" stands for any
+    version not measured yet)."""
+
+    # until a second width is measured, verifying one more token is assumed to cost 10 % more
+    verify: Curve = field(default_factory=lambda: Curve(one_point_slope=0.1))
+    draft: dict[str, Curve] = field(default_factory=dict)
+
+    @classmethod
+    def synthetic(cls, draft_ratio: float, verify_slope: float = 0.1) -> CostModel:
+        """Costs in units of a one-token target step: verifying n tokens costs
+        1 + verify_slope (n - 1), a draft token draft_ratio (replay, tests: deterministic)."""
+        m = cls()
+        m.verify.record(1, 1.0)
+        m.verify.record(2, 1.0 + verify_slope)
+        m.draft[""] = Curve()
+        m.draft[""].record(1, draft_ratio)
+        return m
+
+    def record_verify(self, tokens: int, seconds: float) -> None:
+        self.verify.record(tokens, seconds)
+
+    def record_draft(self, version: str, tokens: int, seconds: float) -> None:
+        self.draft.setdefault(version, Curve()).record(tokens, seconds)
+
+    def step_seconds(self, version: str, rows: int, k: int) -> float | None:
+        """A step of `rows` requests drafting k tokens each; None until the target was measured."""
+        v = self.verify(rows * (k + 1))
+        if v is None:
+            return None
+        d = self.draft.get(version, self.draft.get(""))
+        return v + ((d(rows * k) or 0.0) if d is not None and k > 0 else 0.0)
+
+
+class AcceptanceCounts:
+    """Per position i: drafts that reached token i (all before it accepted), and those whose
+    token i was accepted."""
+
+    def __init__(self) -> None:
+        self.reached: list[int] = []
+        self.passed: list[int] = []
+
+    def update(self, drafted: int, accepted: int) -> None:
+        n = min(drafted, accepted + 1)
+        if len(self.reached) < n:
+            self.reached += [0] * (n - len(self.reached))
+            self.passed += [0] * (n - len(self.passed))
+        for i in range(n):
+            self.reached[i] += 1
+            if i < accepted:
+                self.passed[i] += 1
+
+    def get(self, i: int) -> tuple[int, int]:
+        return (self.reached[i], self.passed[i]) if i < len(self.reached) else (0, 0)
 
 
 class DraftLengthController:
-    """Per-request state; `next_k` before drafting, `update` after verification."""
+    """Per-request state; the engine asks `best_k`/`fixed_k` before drafting and calls `update`
+    after verification. `shared` is the drafter version's counts over all its requests."""
 
-    def __init__(self, config: DraftLengthConfig) -> None:
+    def __init__(self, config: DraftLengthConfig, shared: AcceptanceCounts | None = None) -> None:
         self.config = config
-        self.reached = [0] * config.k  # drafts that contained position i
-        self.passed = [0] * config.k  # ... whose token i was accepted
+        self.own = AcceptanceCounts()
+        self.shared = shared
+        self.since_draft = 0  # steps since this request last drafted
 
     @property
     def min_confidence(self) -> float:
         return self.config.min_confidence if self.config.adaptive else 0.0
 
-    def next_k(self, remaining: int) -> int:
-        """Draft tokens to ask for, given `remaining` tokens still useful."""
+    def acceptances(self, n: int) -> list[float]:
+        """Estimated P(draft token i accepted | tokens before it accepted), i < n: this request's
+        counts, smoothed toward the drafter version's, smoothed toward position i - 1's estimate
+        (0.5 for the first): a position never drafted yet is assumed as good as the one before,
+        so drafting one token further is tried once the position before it has paid."""
+        prior, strength = self.config.prior, self.config.prior_strength
+        out, prev = [], 0.5
+        for i in range(n):
+            mean = prev
+            if self.shared is not None:
+                r, p = self.shared.get(i)
+                mean = (p + 2 * prior * prev) / (r + 2 * prior)
+            r, p = self.own.get(i)
+            prev = (p + strength * mean) / (r + strength)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, k_max: int) -> list[float]:
+        """E(k) for k = 0..k_max: tokens a step yields (accepted drafts + the bonus/correction)."""
+        out, reach, total = [1.0], 1.0, 1.0
+        for a in self.acceptances(k_max):
+            reach *= a
+            total += reach
+            out.append(total)
+        return out
+
+    def fixed_k(self, remaining: int) -> int:
+        """Fixed mode: k; deterministic adaptive mode: k capped where reaching a position gets
+        less likely than min_reach_prob (this request's own counts only)."""
         k = min(self.config.k, max(remaining, 0))
         if not self.config.adaptive:
             return k
         prior, reach = self.config.prior, 1.0
         for i in range(k):
-            reach *= (self.passed[i] + prior) / (self.reached[i] + 2 * prior)
+            r, p = self.own.get(i)
+            reach *= (p + prior) / (r + 2 * prior)
             if reach < self.config.min_reach_prob:
                 return max(i, 1)
         return k
 
+    def wants_probe(self) -> bool:
+        return self.since_draft + 1 >= self.config.probe_every
+
     def update(self, drafted: int, accepted: int) -> None:
-        # Position i is "reached" only when all earlier tokens were accepted.
-        for i in range(min(drafted, accepted + 1)):
-            self.reached[i] += 1
-            if i < accepted:
-                self.passed[i] += 1
+        self.own.update(drafted, accepted)
+        if self.shared is not None:
+            self.shared.update(drafted, accepted)
+        self.since_draft = 0 if drafted else self.since_draft + 1
+
+
+def choose_lengths(controllers: list[DraftLengthController], remaining: list[int], versions: list[str],
+                   costs: CostModel) -> list[int]:
+    """Adaptive k for each request of a batch (see the module docstring): one cap K for the
+    batch maximising expected tokens per second; a request whose own best k is 0 drafts
+    nothing unless its probe is due. Before the target's cost is measured, k_max."""
+    n = len(controllers)
+    caps = [min(c.config.k, max(r, 0)) for c, r in zip(controllers, remaining, strict=True)]
+    curves = [c.expected_tokens(cap) for c, cap in zip(controllers, caps, strict=True)]
+    version = versions[0] if len(set(versions)) == 1 else ""
+    own, probing = [], False
+    for c, curve, v in zip(controllers, curves, versions, strict=True):
+        best = _argmax_rate(curve, lambda k, v=v: costs.step_seconds(v, 1, k))
+        if best == 0 and len(curve) > 1 and c.wants_probe():
+            best, probing = 1, True
+        own.append(best)
+    top = max(own, default=0)
+
+    def batch_rate(k_cap: int) -> float | None:
+        secs = costs.step_seconds(version, n, k_cap)
+        if secs is None or secs <= 0:
+            return None
+        return sum(curve[min(k, k_cap)] for curve, k in zip(curves, own, strict=True)) / secs
+
+    rates = [(batch_rate(k), k) for k in range(top + 1)]
+    if any(r is None for r, _ in rates):
+        return caps  # nothing measured yet: draft fully once, and learn the costs
+    k_cap = max(max(rates)[1], 1 if probing else 0)
+    return [min(k, k_cap) for k in own]
+
+
+def _argmax_rate(curve: list[float], seconds: object) -> int:
+    best, best_rate = len(curve) - 1, -1.0
+    for k, tokens in enumerate(curve):
+        s = seconds(k)  # type: ignore[operator]
+        if s is None or s <= 0:
+            return len(curve) - 1
+        if tokens / s > best_rate + 1e-12:
+            best, best_rate = k, tokens / s
+    return best

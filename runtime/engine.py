@@ -1,35 +1,57 @@
-"""The speculative decoding engine: draft -> verify -> accept, one request at a time.
+"""The speculative decoding engine: draft -> verify -> accept, over a batch of requests.
 
-Invariant between steps: the target's KV cache covers every context token but
-the last (the pending token, whose logits the next verify computes along with
-the draft). A step feeds [pending] + draft, keeps the accepted prefix plus one
-correction/bonus token, and crops the cache back to the accepted length.
+Invariant between steps, per request: the target's cache row covers every context
+token but the last (the pending token, whose logits the next verify computes along
+with the draft). A step drafts for every running request (one `propose` per drafter
+over all its rows), feeds each row [pending] + its draft in one ragged target forward,
+verifies all rows at once, keeps each row's accepted prefix plus one
+correction/bonus token, and crops each row back to its accepted length. Rows draft
+different lengths and accept different lengths; padding never reaches an output, a
+cache or a trace.
+
+Continuous batching: `add` queues a request, `step` prefills queued requests into free
+rows (long prompts in chunks, so a joining request does not stall the batch) and
+advances every running one by one verify step; requests leave at step boundaries on
+EOS, length, a stop string (`on_tokens` returns True) or `cancel`. `generate` runs one
+request to completion. One thread drives an engine.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from runtime.adaptive import DraftLengthConfig, DraftLengthController
-from runtime.drafters.base import Draft, Drafter, begin_request
+from runtime.adaptive import (
+    AcceptanceCounts,
+    CostModel,
+    DraftLengthConfig,
+    DraftLengthController,
+    choose_lengths,
+)
+from runtime.drafters.base import Draft, Drafter, DraftRow
+from runtime.drafters.none import NoDrafter
 from runtime.errors import RequestError
 from runtime.loader import LoadedModel
 from runtime.sinks import EventSink
 from runtime.slot import DrafterSlot
 from runtime.stats import RequestStats
-from runtime.target import HFTarget, Target
+from runtime.target import Target, make_target
 from runtime.trace import RequestTrace, StepRecord, Timings
-from runtime.verify import Verdict, verify_greedy, verify_sampling, warp
+from runtime.verify import VerifyRow, verify_batch, warp
+
+log = logging.getLogger(__name__)
 
 # finish_reason of a request its caller ended early (on_tokens returned True), e.g. on a stop
 # string; "stop" stays EOS only: replay ends a "stop" request at its last token's first appearance.
 STOP_STRING = "stop_string"
+CANCELLED = "cancelled"  # `cancel`: no trace is emitted, the drafter is told the request was abandoned
 
 
 @dataclass
@@ -42,8 +64,8 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (self.temperature == 0.0 or self.temperature >= 1e-5):
+            raise RequestError(f"temperature must be 0 (greedy) or >= 1e-5, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
@@ -52,6 +74,10 @@ class SamplingParams:
 class EngineConfig:
     draft: DraftLengthConfig = field(default_factory=DraftLengthConfig)
     topk_logprobs: int = 8  # soft labels logged at each rejected position
+    max_batch: int = 1  # requests decoded together (rows of the target's cache)
+    prefill_chunk: int = 512  # prompt tokens a joining request feeds per step
+    measure_alpha: bool = True  # OSD's alpha: a target softmax per drafted position with q
+    measure_costs: bool = True  # time every step into `engine.costs` (adaptive k reads it)
 
 
 @dataclass
@@ -59,9 +85,23 @@ class GenerationResult:
     request_id: str
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: str  # "stop" (EOS), "length" or STOP_STRING
+    finish_reason: str  # "stop" (EOS), "length", STOP_STRING or CANCELLED
     stats: RequestStats
-    trace: RequestTrace
+    trace: RequestTrace | None  # None for a cancelled request
+
+
+class EngineStepError(RuntimeError):
+    """A step failed (e.g. the target's forward raised): every request in flight was abandoned
+    and is named here; the engine is empty and usable again."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"decoding step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+OnTokens = Callable[[list[int]], "bool | None"]
+_TARGET_ONLY = NoDrafter()
 
 
 class SpeculativeEngine:
@@ -82,7 +122,14 @@ class SpeculativeEngine:
         self.max_context = max_context
         self.target_model_id = target_model_id
         self.config = config or EngineConfig()
+        if self.config.max_batch < 1 or self.config.prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.sink = sink
+        self._waiting: deque[_Request] = deque()  # added, not fully prefilled
+        self._running: list[_Request] = []
+        self._free_rows = list(range(self.config.max_batch - 1, -1, -1))
+        self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
+        self._acceptance: dict[str, AcceptanceCounts] = {}  # per drafter version, over all its requests
 
     @classmethod
     def for_model(
@@ -92,11 +139,58 @@ class SpeculativeEngine:
         config: EngineConfig | None = None,
         sink: EventSink | None = None,
     ) -> SpeculativeEngine:
-        """An engine over a loaded Hugging Face target."""
+        """An engine over a loaded Hugging Face target (the lean forward where it can run it)."""
         return cls(
-            HFTarget(target.model, target.vocab_size), drafter, eos_ids=target.eos_ids,
+            make_target(target.model, target.vocab_size), drafter, eos_ids=target.eos_ids,
             max_context=target.max_context, target_model_id=target.model_id, config=config, sink=sink,
         )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tag: str | None = None,
+        on_tokens: OnTokens | None = None,
+        speculate: bool = True,
+    ) -> str:
+        """Queues a request (prefilled by a later `step`); returns its id. The request pins the
+        drafter in the slot now and keeps it to the end (`speculate=False`: no drafter, the
+        target alone — a baseline measured beside drafted requests). Raises RequestError for a
+        request `generate` would refuse.
+
+        `on_tokens` receives each step's new tokens; when it returns True the request ends
+        after that step with finish_reason "stop_string" (the caller found a stop string:
+        the step's tokens are kept, so replay can end the request at the same step)."""
+        params = params or SamplingParams()
+        self.validate(prompt_ids, params)
+        drafter = self.slot.get() if speculate else _TARGET_ONLY
+        shared = self._acceptance.setdefault(drafter.version, AcceptanceCounts())
+        req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
+                       DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self._device())
+        req.drafter.begin(req.id, req.prompt, tag=tag)
+        self._waiting.append(req)
+        return req.id
+
+    def cancel(self, request_id: str) -> bool:
+        """Ends a queued or running request at the next step boundary (finish_reason
+        "cancelled", no trace). False when no such request is in flight."""
+        for req in (*self._waiting, *self._running):
+            if req.id == request_id and req.finish is None:
+                req.finish = CANCELLED
+                return True
+        return False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
 
     def generate(
         self,
@@ -105,94 +199,29 @@ class SpeculativeEngine:
         *,
         request_id: str | None = None,
         tag: str | None = None,
-        on_tokens: Callable[[list[int]], bool | None] | None = None,
+        on_tokens: OnTokens | None = None,
+        speculate: bool = True,
     ) -> GenerationResult:
-        """Generates one completion.
+        """Generates one completion (steps the engine until it is done)."""
+        rid = self.add(prompt_ids, params, request_id=request_id, tag=tag, on_tokens=on_tokens, speculate=speculate)
+        while True:
+            for res in self.step():
+                if res.request_id == rid:
+                    return res
 
-        `on_tokens` receives each step's new tokens; when it returns True the request ends
-        after that step with finish_reason "stop_string" (the caller found a stop string:
-        the step's tokens are kept, so replay can end the request at the same step).
-        """
-        params = params or SamplingParams()
-        self.validate(prompt_ids, params)
-        req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.config.draft)
-        drafter = self.slot.get()  # one drafter for the whole request: no mixed KV caches
-        created = time.time()
-        t0 = time.perf_counter()
-        begin_request(drafter, req.id, req.prompt, tag)
-        try:
-            with torch.inference_mode():
-                first = self._choose(self.target.prefill(req.prompt), params, req.generator)
-                req.stats.prefill_s = time.perf_counter() - t0
-                new = req.append([first], self.eos_ids)
-                while True:
-                    if on_tokens and on_tokens(new) and req.finish is None:
-                        req.finish = STOP_STRING
-                    if req.finish is not None:
-                        break
-                    new = self._step(req, drafter)
-        finally:
-            drafter.end(req.id)
-        req.stats.total_s = time.perf_counter() - t0
-        req.stats.output_tokens = len(req.output)
-        trace = self._trace(req, drafter, tag, created)
-        if self.sink is not None:
-            self.sink.emit(trace)
-        return GenerationResult(req.id, req.prompt, req.output, req.finish, req.stats, trace)
-
-    def _step(self, req: _Request, drafter: Drafter) -> list[int]:
-        p = req.params
-        k = req.length.next_k(p.max_new_tokens - len(req.output) - 1)
-        t0 = time.perf_counter()
-        draft = drafter.propose(
-            req.id, req.context, k, temperature=p.temperature, top_p=p.top_p,
-            min_confidence=req.length.min_confidence, generator=req.generator,
-        ) if k > 0 else Draft([], "none")
-        if len(draft.tokens) > k:
-            raise RuntimeError(f"drafter {drafter!r} proposed {len(draft.tokens)} tokens, more than max_tokens={k}")
-        t1 = time.perf_counter()
-        logits = self.target.verify([req.context[-1]] + draft.tokens)  # [len(draft)+1, V]
-        verdict = self._verify(req, draft, logits)
-        self.target.rollback(len(req.context) + verdict.accepted)
-        req.stats.draft_s += t1 - t0
-        req.stats.verify_s += time.perf_counter() - t1
-
-        pos = len(req.output)
-        new = req.append(draft.tokens[: verdict.accepted] + [verdict.next_token], self.eos_ids)
-        accepted = min(verdict.accepted, len(new))  # tokens past EOS/max_new_tokens don't count
-        req.stats.record_step(len(draft.tokens), accepted)
-        req.length.update(len(draft.tokens), verdict.accepted)
-        step = StepRecord(pos, list(draft.tokens), draft.source, accepted)
-        if verdict.accepted < len(draft.tokens) and self.config.topk_logprobs > 0:
-            lp = torch.log_softmax(logits[verdict.accepted].float(), dim=-1)
-            top = lp.topk(min(self.config.topk_logprobs, lp.shape[-1]))
-            step.topk_ids, step.topk_logprobs = top.indices.tolist(), top.values.tolist()
-        req.steps.append(step)
-        drafter.observe(req.id, new, accepted)
-        return new
-
-    def _verify(self, req: _Request, draft: Draft, logits: torch.Tensor) -> Verdict:
-        p, n = req.params, len(draft.tokens)
-        if p.temperature == 0.0:
-            verdict = verify_greedy(draft.tokens, logits)
-            target_probs = torch.softmax(logits[:n].float(), dim=-1) if draft.probs is not None else None
-        else:
-            probs = warp(logits, p.temperature, p.top_p)  # [n+1, V]
-            verdict = verify_sampling(draft.tokens, draft.probs, probs, req.generator)
-            target_probs = probs[:n]
-        if target_probs is not None and n:
-            alpha = torch.minimum(target_probs, draft.probs[:, : target_probs.shape[-1]]).sum(-1)
-            req.stats.alpha_sum += float(alpha.sum())
-            req.stats.alpha_count += n
-        return verdict
-
-    def _choose(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        if params.temperature == 0.0:
-            return int(logits.argmax())
-        return int(torch.multinomial(warp(logits, params.temperature, params.top_p), 1, generator=gen))
+    def generate_batch(
+        self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Generates completions for `prompts` together (up to max_batch at a time), in order."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add(p, q) for p, q in zip(prompts, plist, strict=True)]
+        done: dict[str, GenerationResult] = {}
+        while len(done) < len(ids):
+            done.update((r.request_id, r) for r in self.step())
+        return [done[i] for i in ids]
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestError when `generate` would refuse the request (servers check before queueing)."""
+        """Raises RequestError when `add` would refuse the request (servers check before queueing)."""
         params.validate()
         if not prompt_ids:
             raise RequestError("prompt is empty: give at least one token (an empty string tokenizes to nothing)")
@@ -207,33 +236,233 @@ class SpeculativeEngine:
         if bad:
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
-    def _trace(self, req: _Request, drafter: Drafter, tag: str | None, created: float) -> RequestTrace:
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationResult]:
+        """Prefills what fits, then one draft -> verify -> accept round over every running request.
+        Returns the requests that finished in this step. Raises EngineStepError (after abandoning
+        every request in flight) when the target or a drafter fails."""
+        try:
+            with torch.inference_mode():
+                self._prefill()
+                live = [r for r in self._running if r.finish is None]
+                if live:
+                    self._decode(live)
+        except Exception as e:
+            ids = self._abandon_all()
+            raise EngineStepError(ids, e) from e
+        return self._retire()
+
+    def _prefill(self) -> None:
+        """Feeds up to prefill_chunk prompt tokens of each queued request that has a row."""
+        batch: list[_Request] = []
+        for req in self._waiting:
+            if req.finish is not None:
+                continue
+            if req.row < 0:
+                if not self._free_rows:
+                    break
+                req.row = self._free_rows.pop()
+                self.target.reset(req.row)
+            batch.append(req)
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        chunks = [req.prompt[req.prefilled : req.prefilled + self.config.prefill_chunk] for req in batch]
+        fwd = self.target.forward([r.row for r in batch], chunks, logits="last",
+                                  features=any(r.drafter.uses_features for r in batch))
+        dt = time.perf_counter() - t0
+        for b, (req, chunk) in enumerate(zip(batch, chunks, strict=True)):
+            req.prefilled += len(chunk)
+            req.stats.prefill_s += dt
+            if req.drafter.uses_features:
+                req.features.append(fwd.features[b, : len(chunk)])
+            if req.prefilled < len(req.prompt):
+                continue
+            self._waiting.remove(req)
+            self._running.append(req)
+            first = self._choose(fwd.logits[b], req)
+            self._accept_tokens(req, [first])
+
+    def _decode(self, reqs: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        ks = self._draft_lengths(reqs)
+        drafts = self._propose(reqs, ks)
+        t1 = time.perf_counter()
+        feats = any(r.drafter.uses_features for r in reqs)
+        fwd = self.target.forward([r.row for r in reqs], [[r.context[-1]] + d.tokens for r, d in zip(reqs, drafts, strict=True)],
+                                  logits="all", features=feats)  # logits [B, T, V]
+        rows = [VerifyRow(d.tokens, d.probs, r.params.temperature, r.params.top_p, r.generator)
+                for r, d in zip(reqs, drafts, strict=True)]
+        checked = verify_batch(fwd.logits, rows, with_probs=self.config.measure_alpha)
+        t2 = time.perf_counter()
+        for b, (req, draft) in enumerate(zip(reqs, drafts, strict=True)):
+            verdict = checked.verdicts[b]
+            self.target.rollback(req.row, len(req.context) + verdict.accepted)
+            req.stats.draft_s += t1 - t0
+            req.stats.verify_s += t2 - t1
+            step = StepRecord(len(req.output), list(draft.tokens), draft.source, 0)
+            if verdict.accepted < len(draft.tokens) and self.config.topk_logprobs > 0:
+                lp = torch.log_softmax(fwd.logits[b, verdict.accepted].float(), dim=-1)
+                top = lp.topk(min(self.config.topk_logprobs, lp.shape[-1]))
+                step.topk_ids, step.topk_logprobs = top.indices.tolist(), top.values.tolist()
+            q, p = draft.probs, checked.target_probs[b]
+            if p is not None:
+                req.stats.alpha_sum += float(torch.minimum(p, q[:, : p.shape[-1]]).sum())
+                req.stats.alpha_count += len(draft.tokens)
+            if req.drafter.uses_features:
+                req.features.append(fwd.features[b, : verdict.accepted + 1])
+            new = self._accept_tokens(req, draft.tokens[: verdict.accepted] + [verdict.next_token])
+            step.accepted = min(verdict.accepted, len(new))  # tokens past EOS/max_new_tokens don't count
+            req.stats.record_step(len(draft.tokens), step.accepted)
+            req.length.update(len(draft.tokens), verdict.accepted)
+            req.steps.append(step)
+        if self.config.measure_costs:
+            t3 = time.perf_counter()
+            width = max(len(d.tokens) for d in drafts) + 1
+            self.costs.record_verify(len(reqs) * width, t3 - t1)
+            versions = {r.drafter.version for r in reqs}
+            if len(versions) == 1:
+                self.costs.record_draft(versions.pop(), sum(ks), t1 - t0)
+
+    def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
+        """Each request's k this step (runtime/adaptive.py). Seeded sampled requests, whose output
+        must not depend on timings or on the batch, never take the cost-aware rule."""
+        remaining = [r.params.max_new_tokens - len(r.output) - 1 for r in reqs]
+        if not self.config.draft.adaptive:
+            return [r.length.fixed_k(n) for r, n in zip(reqs, remaining, strict=True)]
+        ks = [-1] * len(reqs)
+        free = []
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None and r.params.temperature > 0:
+                ks[i] = r.length.fixed_k(remaining[i])
+            else:
+                free.append(i)
+        if free:
+            chosen = choose_lengths([reqs[i].length for i in free], [remaining[i] for i in free],
+                                    [reqs[i].drafter.version for i in free], self.costs)
+            for i, k in zip(free, chosen, strict=True):
+                ks[i] = k
+        return ks
+
+    def _propose(self, reqs: list[_Request], ks: list[int]) -> list[Draft]:
+        """One `propose` per drafter over its rows (requests pinned to different versions draft
+        with their own)."""
+        drafts: list[Draft | None] = [None] * len(reqs)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            groups.setdefault(id(r.drafter), []).append(i)
+        for idxs in groups.values():
+            drafter = reqs[idxs[0]].drafter
+            rows = [self._draft_row(reqs[i], ks[i]) for i in idxs]
+            out = drafter.propose(rows)
+            for i, row, d in zip(idxs, rows, out, strict=True):
+                if len(d.tokens) > row.max_tokens:
+                    raise RuntimeError(f"drafter {drafter!r} proposed {len(d.tokens)} tokens, more than "
+                                       f"max_tokens={row.max_tokens}")
+                drafts[i] = d
+        return drafts  # type: ignore[return-value]
+
+    def _draft_row(self, req: _Request, k: int) -> DraftRow:
+        p = req.params
+        feats = None
+        if req.features:
+            feats = req.features[0] if len(req.features) == 1 else torch.cat(req.features)
+            req.features = []
+        return DraftRow(req.id, req.context, k, p.temperature, p.top_p, req.length.min_confidence,
+                        req.generator, feats)
+
+    def _accept_tokens(self, req: _Request, tokens: list[int]) -> list[int]:
+        new = req.append(tokens, self.eos_ids)
+        if req.on_tokens is not None and req.on_tokens(new) and req.finish is None:
+            req.finish = STOP_STRING
+        return new
+
+    def _choose(self, logits: torch.Tensor, req: _Request) -> int:
+        p = req.params
+        if p.temperature == 0.0:
+            return int(logits.argmax())
+        return int(torch.multinomial(warp(logits, p.temperature, p.top_p), 1, generator=req.generator))
+
+    # -- leaving ------------------------------------------------------------------------------
+
+    def _retire(self) -> list[GenerationResult]:
+        done = [r for r in (*self._waiting, *self._running) if r.finish is not None]
+        results = []
+        for req in done:
+            (self._waiting if req in self._waiting else self._running).remove(req)
+            finished = req.finish != CANCELLED
+            self._release(req, req.output if finished else None)
+            req.stats.total_s = time.perf_counter() - req.t0
+            req.stats.output_tokens = len(req.output)
+            trace = self._trace(req) if finished else None
+            if trace is not None and self.sink is not None:
+                self.sink.emit(trace)
+            results.append(GenerationResult(req.id, req.prompt, req.output, req.finish, req.stats, trace))
+        return results
+
+    def _release(self, req: _Request, output: list[int] | None) -> None:
+        try:
+            req.drafter.end(req.id, output)
+        finally:
+            if req.row >= 0:
+                self._free_rows.append(req.row)
+                req.row = -1
+
+    def abandon_all(self) -> list[str]:
+        """Drops every request in flight (its drafter is told it was abandoned); returns their ids."""
+        return self._abandon_all()
+
+    def _abandon_all(self) -> list[str]:
+        reqs = [*self._waiting, *self._running]
+        self._waiting.clear()
+        self._running.clear()
+        for req in reqs:
+            try:
+                self._release(req, None)
+            except Exception:  # noqa: BLE001 - a failing drafter must not hide the step's error
+                log.exception("drafter end failed for abandoned request %s", req.id)
+        return [r.id for r in reqs]
+
+    def _device(self) -> torch.device:
+        model = getattr(self.target, "model", None)
+        return model.device if model is not None else torch.device("cpu")
+
+    def _trace(self, req: _Request) -> RequestTrace:
         s = req.stats
         return RequestTrace(
             request_id=req.id, prompt_ids=req.prompt, output_ids=req.output, steps=req.steps,
-            target_model=self.target_model_id, drafter_version=str(getattr(drafter, "version", "?")),
+            target_model=self.target_model_id, drafter_version=str(req.drafter.version),
             temperature=req.params.temperature, top_p=req.params.top_p, seed=req.params.seed,
-            max_new_tokens=req.params.max_new_tokens, finish_reason=req.finish, tag=tag,
+            max_new_tokens=req.params.max_new_tokens, finish_reason=req.finish, tag=req.tag,
             timings=Timings(s.prefill_s, s.draft_s, s.verify_s, s.total_s),
-            created_at=created, finished_at=time.time(),
+            created_at=req.created, finished_at=time.time(),
         )
 
 
 class _Request:
     """Mutable per-request decoding state."""
 
-    def __init__(self, req_id: str, prompt: list[int], params: SamplingParams, length: DraftLengthConfig) -> None:
+    def __init__(self, req_id: str, prompt: list[int], params: SamplingParams, length: DraftLengthController,
+                 tag: str | None, on_tokens: OnTokens | None, drafter: Drafter, device: torch.device) -> None:
         self.id = req_id
         self.prompt = prompt
         self.params = params
+        self.tag = tag
+        self.on_tokens = on_tokens
+        self.drafter = drafter
         self.output: list[int] = []
         self.context = list(prompt)  # prompt + output; the last token is pending (not in the KV cache)
         self.finish: str | None = None
         self.steps: list[StepRecord] = []
         self.stats = RequestStats(prompt_tokens=len(prompt))
-        self.length = DraftLengthController(length)
+        self.length = length
+        self.row = -1  # the target cache row, once admitted
+        self.prefilled = 0  # prompt tokens fed to the target
+        self.features: list[torch.Tensor] = []  # target features the drafter has not been given yet
+        self.created, self.t0 = time.time(), time.perf_counter()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def append(self, tokens: list[int], eos_ids: set[int]) -> list[int]:
         """Appends up to EOS or max_new_tokens; returns the tokens kept."""

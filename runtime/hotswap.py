@@ -101,7 +101,7 @@ class HotSwapper:
         self._poll_lock = threading.Lock()
         self._windows: dict[str, _Window] = {}
         self._previous: tuple[DrafterRef, Drafter] | None = None
-        self._current_ref = initial or DrafterRef(str(getattr(slot.get(), "version", "?")))
+        self._current_ref = initial or DrafterRef(slot.get().version)
         _label(slot.get(), self._current_ref.version)
         self._rejected: set[str] = set()
         self._reports: list[threading.Thread] = []
@@ -252,7 +252,7 @@ class HotSwapper:
 
 
 def _label(drafter: Drafter, version: str) -> None:
-    if getattr(drafter, "version", None) != version:
+    if drafter.version != version:
         try:
             drafter.version = version
         except AttributeError:  # a drafter with a read-only label keeps it; traces show that one

@@ -88,6 +88,33 @@ def resolve_model_dir(spec: str | os.PathLike, cache_dir: str | os.PathLike | No
     return path, path.name
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> str:
+    """"cpu", "cuda", "cuda:N" or "auto" (CUDA when available, else the CPU). Raises ModelLoadError
+    for CUDA on a machine without it."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                             "use --device cpu (or auto)")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ModelLoadError(f"device {name!r}: choose cpu, cuda, cuda:N or auto")
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """"auto" (bfloat16 on CUDA, float32 on the CPU, where bf16 matrix products are slow without
+    AMX/AVX-512 and fp32 keeps the CPU's outputs bit-compatible with Hugging Face's), or a name."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"dtype {name!r}: choose auto, {', '.join(DTYPES)}") from None
+
+
 # transformers' from_pretrained initialises on the meta device by patching torch globally:
 # two threads loading at once (the hot-swapper's watcher and the trainer, say) break each
 # other ("Cannot copy out of meta tensor"). Every load in this process goes through this lock.

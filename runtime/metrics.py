@@ -37,8 +37,9 @@ class ServerMetrics:
 
     `version` returns the serving drafter version; `swapper_status` a HotSwapper
     status dict (or None without hot-swap); `sink` is the event sink (its
-    `dropped` / `failed` counters are exported when present); `queue_depth` the
-    number of waiting requests.
+    `emitted` / `dropped` / `failed` counters are exported); `queue_depth` the
+    number of waiting requests, `running` the rows the engine decodes now,
+    `dead_letters` (when a collector runs in this process, `livedraft up`) its count.
     """
 
     def __init__(
@@ -48,8 +49,11 @@ class ServerMetrics:
         swapper_status: Callable[[], dict[str, Any] | None] = lambda: None,
         sink: object | None = None,
         queue_depth: Callable[[], int] = lambda: 0,
+        running: Callable[[], int] = lambda: 0,
+        dead_letters: Callable[[], int] | None = None,
     ) -> None:
         self._version, self._swapper_status, self._sink, self._queue_depth = version, swapper_status, sink, queue_depth
+        self._running, self._dead_letters = running, dead_letters
         self._lock = threading.Lock()
         self._requests = dict.fromkeys(REQUEST_STATUSES, 0)
         self._by_version: dict[str, RequestStats] = {}
@@ -87,10 +91,17 @@ class ServerMetrics:
         info.add_metric([], {"version": str(self._version())})
         yield info
         yield from _swaps(self._swapper_status())
-        for attr, doc in (("dropped", "Trace events dropped because the sink's queue was full."),
+        for attr, doc in (("emitted", "Trace events handed to the sink (one per finished request)."),
+                          ("dropped", "Trace events lost because the sink's queue was full (or still queued at close)."),
                           ("failed", "Trace events the sink's transport failed to write.")):
             yield CounterMetricFamily(f"livedraft_events_{attr}", doc, value=int(getattr(self._sink, attr, 0) or 0))
+        if self._dead_letters is not None:
+            yield CounterMetricFamily("livedraft_events_dead_lettered",
+                                      "Stream records this process's collector could not decode (kept as dead letters).",
+                                      value=self._dead_letters())
         yield GaugeMetricFamily("livedraft_queue_depth", "Requests waiting for the engine.", value=self._queue_depth())
+        yield GaugeMetricFamily("livedraft_running_requests", "Requests the engine decodes together now (batch rows).",
+                                value=self._running())
 
 
 def _acceptance(by_version: dict[str, RequestStats]) -> Iterator[Metric]:

@@ -6,57 +6,95 @@ exactly as serving would (same draft lengths, same truncation), without the
 target. Rows at positions with logged soft labels carry the renormalised
 top-k distribution (so alpha has a target distribution to compare q with);
 elsewhere a row is one-hot on the logged token.
+
+A feature drafter (EAGLE-3) also needs the target's hidden states: `load` takes
+them, recomputed teacher-forced over prompt + output in one target forward
+(features at a position depend only on the tokens up to it, so they are what the
+live target computed for every accepted position; rows at rejected draft tokens
+differ, and the engine never passes those on).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
+from runtime.target import Forward, pad_rows
 from runtime.trace import RequestTrace
 
 
+@dataclass
+class _Loaded:
+    full: list[int]  # prompt + output
+    prompt_len: int
+    soft: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    features: torch.Tensor | None = None  # [len(full), F]
+    cached: int = 0
+
+
 class ReplayTarget:
+    """`load(trace)` names the request the next `reset(row)` starts (replay runs one request at a time)."""
+
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._full: list[int] = []
-        self._soft: dict[int, tuple[list[int], list[float]]] = {}
-        self._prompt_len = 0
-        self._cached = 0
+        self.feature_size = 0  # the width of the last features loaded
+        self._next: _Loaded | None = None
+        self._rows: dict[int, _Loaded] = {}
 
-    def load(self, trace: RequestTrace) -> None:
-        """Sets the request the next prefill/verify calls replay."""
-        self._full = list(trace.prompt_ids) + list(trace.output_ids)
-        self._prompt_len = len(trace.prompt_ids)
-        self._soft = {}
+    def load(self, trace: RequestTrace, features: torch.Tensor | None = None) -> None:
+        """Sets the request the next reset row replays; `features` [len(prompt + output), F]."""
+        full = list(trace.prompt_ids) + list(trace.output_ids)
+        if features is not None:
+            if features.shape[0] != len(full):
+                raise ValueError(f"features {tuple(features.shape)} do not cover the trace's {len(full)} tokens")
+            self.feature_size = features.shape[-1]
+        st = _Loaded(full, len(trace.prompt_ids), features=features)
         for s in trace.steps:
             if s.topk_ids:
                 # The soft labels describe the output position right after the accepted prefix.
-                self._soft[self._prompt_len + s.pos + s.accepted] = (s.topk_ids, s.topk_logprobs or [])
+                st.soft[st.prompt_len + s.pos + s.accepted] = (s.topk_ids, s.topk_logprobs or [])
+        self._next = st
 
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        if list(prompt_ids) != self._full[: self._prompt_len]:
-            raise ValueError("ReplayTarget.prefill: prompt differs from the loaded trace")
-        self._cached = len(prompt_ids)
-        return self._rows(self._cached, 1)[0]
+    def reset(self, row: int) -> None:
+        if self._next is None:
+            raise ValueError("ReplayTarget: load a trace before starting a request")
+        self._rows[row], self._next = self._next, None
 
-    def verify(self, ids: list[int]) -> torch.Tensor:
-        rows = self._rows(self._cached + 1, len(ids))
-        self._cached += len(ids)
-        return rows
+    def rollback(self, row: int, length: int) -> None:
+        st = self._rows[row]
+        st.cached = min(st.cached, length)
 
-    def rollback(self, length: int) -> None:
-        self._cached = min(self._cached, length)
+    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: str = "all",
+                features: bool = False) -> Forward:
+        width = max(len(x) for x in ids)
+        out, feats = [], []
+        for row, x in zip(rows, ids, strict=True):
+            st = self._rows[row]
+            start = st.cached
+            if start < st.prompt_len and list(x[: st.prompt_len - start]) != st.full[start : st.prompt_len]:
+                raise ValueError("ReplayTarget: the prompt fed differs from the loaded trace")
+            st.cached += len(x)
+            lg = self._rows_logits(st, start + 1, len(x))  # position start + i + 1 follows fed token i
+            out.append(lg[-1] if logits == "last" else pad_rows(lg, width))
+            if features:
+                if st.features is None:
+                    raise ValueError("ReplayTarget: this drafter reads target features; replay it with a "
+                                     "target (features are recomputed teacher-forced)")
+                feats.append(pad_rows(st.features[start : start + len(x)], width))
+        return Forward(torch.stack(out), torch.stack(feats) if features else None)
 
-    def _rows(self, first: int, n: int) -> torch.Tensor:
+    def _rows_logits(self, st: _Loaded, first: int, n: int) -> torch.Tensor:
         """Logits [n, V]; row i predicts the token at absolute position first + i."""
         out = torch.full((n, self.vocab_size), float("-inf"))
         for i in range(n):
             pos = first + i
-            if pos >= len(self._full):
+            if pos >= len(st.full):
                 out[i, 0] = 0.0  # past the logged end: the engine truncates before using it
-            elif pos in self._soft:
-                ids, lps = self._soft[pos]
+            elif pos in st.soft:
+                ids, lps = st.soft[pos]
                 out[i, torch.tensor(ids)] = torch.log_softmax(torch.tensor(lps), -1)
             else:
-                out[i, self._full[pos]] = 0.0
+                out[i, st.full[pos]] = 0.0
         return out

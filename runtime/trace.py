@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 SCHEMA_VERSION = 1
 
 # Where a draft came from; replay and metrics break acceptance down by this.
-SOURCES = ("model", "lookup", "suffix", "ngram", "none")
+SOURCES = ("model", "eagle", "crossvocab", "lookup", "suffix", "ngram", "none")
 
 
 @dataclass

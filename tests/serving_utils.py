@@ -6,12 +6,14 @@ import http.client
 import json
 import threading
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
 
 from runtime.drafters.base import Drafter
 from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.model import ModelDrafter
 from runtime.hotswap import DrafterRef
 
 
@@ -51,11 +53,13 @@ def random_drafter(stories, drafter_dir, version: str = "bad"):
         for name, p in d.model.named_parameters():
             if ".layers." in name and p.dim() == 2:
                 p.normal_(0.0, 0.5)
-    return d
+    # the lean forward reads the weights once, when the drafter is built
+    kept = None if d.kept_ids is None else d.kept_ids.tolist()
+    return ModelDrafter(d.model, d.target_vocab_size, kept_ids=kept, version=version)
 
 
 def request(url: str, method: str, path: str, body: object = None, headers: dict | None = None,
-            raw: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict | str, dict]:
+            raw: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict | str, Any]:
     """One request on a fresh connection: (status, parsed JSON or text, headers)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
@@ -67,7 +71,7 @@ def request(url: str, method: str, path: str, body: object = None, headers: dict
         text = resp.read().decode()
         ctype = resp.getheader("Content-Type", "")
         payload = json.loads(text) if ctype.startswith("application/json") else text
-        return resp.status, payload, dict(resp.getheaders())
+        return resp.status, payload, resp.headers  # an HTTPMessage: header names case-insensitive
     finally:
         conn.close()
 

@@ -307,3 +307,72 @@ def test_hybrid_source_wraps_every_loaded_version_over_the_shared_cache():
     assert d.model.version == "v7" and d.version == "hybrid:v7"
     src.report_rollback(ref, "collapse", {})
     assert inner.rollbacks == [("v7", "collapse")]
+
+
+def serve_through(cache: SuffixCache, t: RequestTrace) -> None:
+    """What a serving replica's SuffixDrafter does with a request it finished: write it through."""
+    from runtime.drafters.suffix import SuffixDrafter
+
+    d = SuffixDrafter(cache)
+    d.begin(t.request_id, t.prompt_ids, tag=t.tag)
+    d.end(t.request_id, t.output_ids)
+
+
+def test_written_through_outputs_are_confirmed_by_the_stream_not_counted_twice(tmp_path):
+    """A serving replica caches what it served at once; when the stream delivers those traces
+    (interleaved with other replicas' traffic) they join the log in stream order, so the replica
+    ends byte-identical to one that only tailed the stream, and drafts identically."""
+    stream = MemoryStream()
+    sink = stream.sink()
+    ts = traces(90, seed=5)
+    serving = CacheMaintainer.resume(stream.source("replica-serving"), tmp_path / "a", fresh)
+    other = CacheMaintainer.resume(stream.source("replica-other"), tmp_path / "b", fresh)
+    mine = ts[::3]  # every third request was served by the first replica
+    for t in mine:
+        serve_through(serving.cache, t)
+    assert serving.cache.num_pending == len(mine) and serving.cache.num_sequences == 0
+    # before the stream says anything, the replica already drafts from what it served
+    assert speculations(serving.cache, [mine[0].output_ids[:5]])[0][0]
+    for t in ts:
+        sink.emit(t)
+    drain(serving, stream)
+    drain(other, stream)
+    assert serving.stats.confirmed == len(mine) and serving.stats.applied == len(ts) - len(mine)
+    assert serving.cache.num_pending == 0
+    assert serving.cache.snapshot() == other.cache.snapshot() == reference(ts).snapshot()
+    assert speculations(serving.cache, probes()) == speculations(other.cache, probes())
+
+
+def test_write_through_keeps_tenants_apart_and_skips_abandoned_requests():
+    from runtime.drafters.suffix import SuffixDrafter
+
+    cache = fresh(tag_scoped=True)
+    a = traces(1, seed=7)[0]
+    d = SuffixDrafter(cache)
+    d.begin("abandoned", a.prompt_ids, tag="A")
+    d.end("abandoned", None)  # an error or a cancel: nothing enters the cache
+    assert cache.num_pending == 0
+    serve_through(cache, RequestTrace(request_id="a1", prompt_ids=a.prompt_ids, output_ids=a.output_ids,
+                                      steps=[], target_model="t", drafter_version="-", tag="A"))
+    probe = [a.output_ids[:6]]
+    assert speculations(cache, probe, tag="A")[0][0]  # tenant A drafts from its own output
+    assert speculations(cache, probe, tag="B")[0][0] == []  # tenant B never sees it
+
+
+def test_pending_entries_are_bounded_and_a_mismatched_confirm_is_re_added():
+    cache = fresh()  # max_sequences 60
+    ts = traces(70, seed=8)
+    for t in ts:
+        cache.write_through(t.request_id, t.output_ids)
+    assert cache.num_pending == 60  # the oldest pending entries were dropped from the tree
+    assert not cache.confirm(ts[0].request_id, ts[0].output_ids)  # dropped: the stream copy is added
+    assert not cache.confirm(ts[-1].request_id, [1, 2, 3])  # differs from what was served
+    assert cache.num_pending == 59
+    for t in ts[10:69]:
+        assert cache.confirm(t.request_id, t.output_ids)
+    assert cache.num_pending == 0 and cache.num_sequences == 59
+    ref = fresh()
+    for t in ts[10:69]:
+        ref.add_sequence(t.output_ids)
+    assert cache.snapshot() == ref.snapshot()
+    assert speculations(cache, probes()) == speculations(ref, probes())

@@ -50,7 +50,9 @@ def test_the_loop_learns_from_live_traffic_and_stays_lossless(stories, stories_d
         # only the new-traces trigger fires here (interval off), as the real scheduler runs it
         daemon=DaemonConfig(interval_s=0, min_new_traces=30, check_interval_s=0.2, window_traces=40,
                             holdout_traces=8, collector_poll_s=0.1),
-        serve=ServeConfig(port=0, poll_s=0.2, k=4),
+        # fixed k: served acceptance is what this test compares (adaptive k would rightly switch
+        # a drafter as costly as stories260K itself off, and acceptance would read ~1.0)
+        serve=ServeConfig(port=0, poll_s=0.2, k=4, adaptive=False),
     )
     registry = DrafterRegistry.from_config(cfg)
     assert registry.bootstrap(stories_drafter_dir, target_model=stories.model_id) == 1

@@ -26,3 +26,24 @@ def test_generate_chat_without_a_chat_template_is_a_clear_error(stories, tmp_pat
     assert main(["generate", "--target", str(stories.path), "--drafter-kind", "lookup", "--prompts", str(prompts),
                  "--chat"]) == 2
     assert "has no chat template: drop --chat" in capsys.readouterr().err
+
+
+def test_suffix_drafts_repeated_prompts_from_the_first_pass(stories, tmp_path, capsys):
+    """SuffixDecoding as published: each finished request's output enters the global tree at
+    once, so when a prompt file repeats, later passes draft from the first pass's outputs."""
+    prompts = ["Once upon a time, there was a dog named", "Tom had a red ball. He", "One day, a little girl",
+               "The cat sat on the mat and", "Lily and Ben went to the park.", "The sun was hot and"]
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(prompts * 3) + "\n")
+    assert main(["generate", "--target", str(stories.path), "--drafter-kind", "suffix", "--prompts", str(f),
+                 "--max-new-tokens", "40", "--k", "8", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    per_prompt = [x for x in lines if "stats" in x]
+    assert len(per_prompt) == 18
+    mal = []
+    for p in range(3):
+        stats = [x["stats"] for x in per_prompt[6 * p : 6 * p + 6]]
+        mal.append(1 + sum(s["accepted"] for s in stats) / sum(s["steps"] for s in stats))
+    # measured: ~1.2 on the first pass (the request's own tree only), ~6-7 once the outputs are cached
+    assert mal[0] < 2.0 and mal[1] > 4.0 and mal[2] > 4.0, mal
+    assert [x["output_ids"] for x in per_prompt[:6]] == [x["output_ids"] for x in per_prompt[6:12]]

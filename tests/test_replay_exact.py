@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from online.replay import replay_traces
-from runtime.adaptive import DraftLengthConfig
+from runtime.adaptive import CostModel, DraftLengthConfig
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.engine import STOP_STRING, EngineConfig, SamplingParams, SpeculativeEngine
@@ -27,7 +27,8 @@ def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, finish
         return load_model_drafter(stories_drafter_dir, stories) if kind == "model" else PromptLookupDrafter()
 
     sink = MemorySink()
-    engine = SpeculativeEngine.for_model(stories, make(), EngineConfig(draft=length), sink=sink)
+    engine = SpeculativeEngine.for_model(stories, make(), EngineConfig(draft=length, measure_costs=False), sink=sink)
+    engine.costs = CostModel.synthetic(0.1)  # adaptive k decides on the costs replay assumes
     if finish == "stop":  # stories260K never emits EOS; "." as a stop token exercises finish_reason "stop"
         engine.eos_ids = {stories.tokenizer.convert_tokens_to_ids(".")}
     # STOP_STRING: the caller ends each request mid-way, as a server does on a stop string

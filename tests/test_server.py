@@ -24,8 +24,9 @@ from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import STOP_STRING
 from runtime.fairqueue import FairQueue, QueueFull
-from runtime.server import TextStream, parse_completion
+from runtime.protocol import parse_completion
 from runtime.sinks import MemorySink
+from runtime.textstream import TextStream
 from tests.polling import wait_for
 from tests.serving_utils import (
     FakeSource,
@@ -63,7 +64,8 @@ def served(stories):
     source = FakeSource({"v2": lambda: PromptLookupDrafter()})
     sink = MemorySink()
     drafter = load_model_drafter(stories.path, stories, version="v1")  # the target itself: accepts a lot
-    handle = start_serving(config(poll_s=3600.0), target=stories, drafter_source=source,
+    # fixed k: a drafter as costly as the target never pays, and adaptive k would (rightly) switch it off
+    handle = start_serving(config(poll_s=3600.0, adaptive=False), target=stories, drafter_source=source,
                            initial_drafter=drafter, sink=sink)
     yield handle, source, sink
     assert handle.stop(10.0)
@@ -96,6 +98,19 @@ def test_completion_equals_target_greedy(served, stories, expected):
     assert any(t.output_ids == want for t in sink.events)
 
 
+def test_a_request_can_ask_for_the_target_alone(served, expected):
+    """`"speculate": false` (a livedraft extension): served without a drafter, the same output,
+    logged as drafter "none" — a target-only baseline measured beside drafted requests."""
+    handle, _, sink = served
+    prompt, want = next(iter(expected.items()))
+    status, body = complete(handle.url, {"prompt": prompt, "max_tokens": MAX_NEW, "speculate": False})
+    assert status == 200, body
+    ld = body["livedraft"]
+    assert ld["output_ids"] == want and ld["drafter_version"] == "none" and ld["stats"]["drafted"] == 0
+    assert ld["stats"]["tokens_per_s"] > 0
+    wait_for(lambda: any(t.drafter_version == "none" for t in sink.events), 10, "the target-only trace")
+
+
 def test_token_id_prompt_and_batch_of_one(served, stories, expected):
     handle = served[0]
     prompt, want = next(iter(expected.items()))
@@ -110,7 +125,7 @@ def test_stream_sends_tokens_as_events(served, stories, expected):
     prompt, want = list(expected.items())[1]
     status, text, headers = request(handle.url, "POST", "/v1/completions",
                                     {"prompt": prompt, "max_tokens": MAX_NEW, "stream": True})
-    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(text)
     assert events[-1] == "[DONE]"
     chunks, final = events[:-2], events[-2]
@@ -168,22 +183,24 @@ BAD_BODIES = [
     ({"prompt": ""}, "prompt is empty"),
     ({"prompt": []}, "prompt is empty"),
     ({"prompt": 7}, "prompt must be"),
-    ({"prompt": ["a", "b"]}, "prompt must be"),
+    ({"prompt": ["a", "b"]}, "one prompt per request"),
     ({"prompt": [1, 2, 600]}, "outside the vocabulary"),
     ({"prompt": [1] * 500, "max_tokens": 20}, "context window is 512"),
-    ({"prompt": "Hi", "max_tokens": 0}, "max_new_tokens must be"),
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens must be >= 1"),
     ({"prompt": "Hi", "max_tokens": "10"}, "max_tokens must be an integer"),
     ({"prompt": "Hi", "max_tokens": True}, "max_tokens must be an integer"),
     ({"prompt": "Hi", "max_tokens": 2.5}, "max_tokens must be an integer"),
     ({"prompt": "Hi", "temperature": -1}, "temperature must be >= 0"),
+    ({"prompt": "Hi", "temperature": 101}, "temperature must be <= 100"),
     ({"prompt": "Hi", "temperature": "hot"}, "temperature must be a number"),
-    ({"prompt": "Hi", "top_p": 0}, "top_p must be in"),
-    ({"prompt": "Hi", "top_p": 1.5}, "top_p must be in"),
+    ({"prompt": "Hi", "top_p": 0}, "top_p must be > 0"),
+    ({"prompt": "Hi", "top_p": 1.5}, "top_p must be <= 1"),
     ({"prompt": "Hi", "seed": 1.5}, "seed must be an integer"),
     ({"prompt": "Hi", "stream": "yes"}, "stream must be true or false"),
     ({"prompt": "Hi", "stop": [""]}, "stop must be"),
     ({"prompt": "Hi", "n": 2}, "n=2 is not supported"),
     ({"prompt": "Hi", "metadata": {"tag": 3}}, "tag"),
+    ({"prompt": "Hi", "speculate": "no"}, "speculate must be true or false"),
     ([1, 2], "must be a JSON object"),
 ]
 
@@ -354,7 +371,7 @@ class BlockingDrafter(NoDrafter):
         self.started = threading.Semaphore(0)
         self.release = threading.Event()
 
-    def begin(self, req_id: str, prompt_ids: list[int]) -> None:
+    def begin(self, req_id: str, prompt_ids: list[int], *, tag: str | None = None) -> None:
         self.started.release()
         assert self.release.wait(30)
 
@@ -362,7 +379,8 @@ class BlockingDrafter(NoDrafter):
 def test_queue_limits_answer_429_and_503_then_drain(stories):
     drafter = BlockingDrafter()
     sink = MemorySink()
-    handle = start_serving(config(max_queue=2, max_queue_per_client=1), target=stories,
+    # X-Client-Id names the client only when the operator trusts it (a proxy sets it)
+    handle = start_serving(config(max_queue=2, max_queue_per_client=1, trust_client_id=True), target=stories,
                            initial_drafter=drafter, sink=sink)
     results: dict[str, tuple[int, dict]] = {}
 
@@ -423,8 +441,8 @@ def test_fair_queue_round_robin_and_limits():
 
 
 def test_parse_completion_defaults(stories):
-    req = parse_completion({"prompt": "Hi", "model": "anything", "logprobs": None}, tokenizer=stories.tokenizer,
-                           default_max_tokens=7)
+    req = parse_completion({"prompt": "Hi", "model": "anything", "logprobs": None},
+                           encode=lambda t: stories.tokenizer(t).input_ids, default_max_tokens=7)
     assert req.params.max_new_tokens == 7 and req.params.temperature == 0.0 and req.params.top_p == 1.0
     assert req.stream is False and req.stop == [] and req.tag is None
 

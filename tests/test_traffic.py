@@ -75,3 +75,31 @@ def test_traffic_cli_says_when_no_server_answers(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "no request succeeded (2 failed)" in err and "cannot reach" in err
+
+
+def test_traffic_cli_replays_your_own_prompts_with_a_baseline_and_a_key(tmp_path, capsys):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "first"}\n{"prompt": "second"}\n')
+    Stub.calls = []
+    seen_auth = []
+
+    class Keyed(Stub):
+        def do_POST(self):  # noqa: N802
+            seen_auth.append(self.headers.get("Authorization"))
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Keyed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = main(["traffic", "--url", f"http://127.0.0.1:{server.server_port}", "--prompts", str(f),
+                     "--requests", "4", "--rate", "0", "--concurrency", "1", "--baseline-every", "2",
+                     "--api-key", "sk-test-123"])
+    finally:
+        server.shutdown()
+    assert code == 0
+    bodies = [b for _, b in Stub.calls]
+    assert [b["prompt"] for b in bodies] == ["first", "second", "first", "second"]
+    assert [b.get("speculate", True) for b in bodies] == [True, False, True, False]
+    assert all("metadata" not in b for b in bodies)  # your prompts carry no built-in domain tag
+    assert seen_auth == ["Bearer sk-test-123"] * 4
+    assert "prompts from" in capsys.readouterr().out

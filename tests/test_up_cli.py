@@ -15,7 +15,8 @@ def test_up_demo_runs_the_whole_loop_and_exits_cleanly(tmp_path):
     target = stories_copy(tmp_path)
     env = {**os.environ}
     env.pop("LIVEDRAFT_CONFIG", None)
-    cmd = [sys.executable, "-m", "online.cli", "up", "--demo", "--target", str(target), "--layers", "2",
+    cmd = [sys.executable, "-m", "online.cli", "up", "--demo", "--target", str(target), "--learned", "model",
+           "--layers", "2",
            "--data-dir", str(tmp_path / "data"), "--demo-seconds", "20", "--demo-max-seconds", "150"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     out = proc.stdout
@@ -25,6 +26,11 @@ def test_up_demo_runs_the_whole_loop_and_exits_cleanly(tmp_path):
     rounds = re.search(r"(\d+) trainer rounds: ([a-z_, ]+);", out)
     assert rounds and re.search(r"(^|, )promoted", rounds.group(2)), out
     assert "round in flight finished" in out
-    versions = re.findall(r"version (\d+): ([\d.]+) over (\d+) requests", out)
+    # per drafter version: requests, mean acceptance length, tokens/s, x the target alone (same run)
+    assert re.search(r"target alone \(every 4th request, same server, same run\): [\d.]+ tokens/s", out), out
+    versions = re.findall(r"^\s+(\d+) \|\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x$", out, re.M)
     assert versions[0][0] == "1" and len(versions) >= 2, out  # the served version changed
-    assert float(versions[-1][1]) > float(versions[0][1]), versions
+    later = [v for v in versions[1:] if int(v[1]) >= 5]  # promoted versions that served enough to judge
+    assert later, versions
+    assert max(float(v[2]) for v in later) > float(versions[0][2]), versions  # acceptance rose
+    assert max(float(v[4]) for v in later) > float(versions[0][4]), versions  # and decoding got faster

@@ -10,7 +10,9 @@ so the committed offset never runs ahead of what a snapshot holds.
 Restart: `resume` loads the newest readable snapshot and seeks the source to the offsets it
 includes, then tailing applies the rest: nothing lost, nothing applied twice. Replicas do the
 same with a private consumer group and no snapshot writes (`open_replica_cache`), so every
-replica fed by one stream holds the same cache.
+replica fed by one stream holds the same cache. A serving replica's drafters also write each
+finished request through to its cache at once (SuffixDecoding as published); when that
+request's trace arrives here it is confirmed in stream order instead of added again.
 
 Threads: one maintainer thread writes; engine threads read the cache concurrently (the cache
 serialises calls with its own lock). Call `snapshot` only from the maintainer's thread.
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 class MaintainerStats:
     records: int = 0  # polled
     applied: int = 0  # traces added to the cache
+    confirmed: int = 0  # traces this replica had written through already (moved into stream order)
     empty: int = 0  # traces with nothing to add
     undecodable: int = 0
     snapshots: int = 0
@@ -61,7 +64,6 @@ class CacheMaintainer:
         snapshot_every_s: float = 60.0,
         snapshot_every_n: int = 1000,
         keep_snapshots: int = 3,
-        include_prompt: bool = False,
         batch_max_records: int = 500,
         freeze_gc: bool = True,
     ) -> None:
@@ -74,7 +76,7 @@ class CacheMaintainer:
         self.source, self.cache = source, cache
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.snapshot_every_s, self.snapshot_every_n = snapshot_every_s, snapshot_every_n
-        self.keep_snapshots, self.include_prompt = keep_snapshots, include_prompt
+        self.keep_snapshots = keep_snapshots
         self.batch_max_records = batch_max_records
         self.stats = MaintainerStats()
         self.freeze_gc = freeze_gc
@@ -134,12 +136,14 @@ class CacheMaintainer:
                 self.stats.undecodable += 1
                 log.debug("cache: skipping undecodable record %d@%d: %s", r.offset, r.partition, e.reason)
             else:
-                toks = (t.prompt_ids + t.output_ids) if self.include_prompt else t.output_ids
-                if toks:
+                toks = self.cache.cached_tokens(t.prompt_ids, t.output_ids)
+                if not toks:
+                    self.stats.empty += 1
+                elif self.cache.confirm(t.request_id, toks, t.tag):
+                    self.stats.confirmed += 1  # this replica wrote it through when it served it
+                else:
                     self.cache.add_sequence(toks, t.tag)
                     self.stats.applied += 1
-                else:
-                    self.stats.empty += 1
             self.cache.stream_offsets[r.partition] = r.offset + 1
             self._pending += 1
 
@@ -211,11 +215,11 @@ def new_cache(cc: CacheConfig) -> Cache:
         return SuffixCache(SuffixConfig(
             max_depth=cc.max_depth, max_spec_factor=cc.max_spec_factor, max_spec_offset=cc.max_spec_offset,
             min_token_prob=cc.min_token_prob, max_sequences=cc.max_sequences, max_tokens=max_tokens,
-            tag_scoped=cc.tag_scoped))
+            tag_scoped=cc.tag_scoped, include_prompt=cc.include_prompt))
     if cc.kind == "ngram":
         return NGramTable(NGramConfig(max_n=cc.ngram_max_n, min_token_prob=cc.min_token_prob,
                                       max_sequences=cc.max_sequences, max_tokens=max_tokens,
-                                      tag_scoped=cc.tag_scoped))
+                                      tag_scoped=cc.tag_scoped, include_prompt=cc.include_prompt))
     from online.config import ConfigError
 
     raise ConfigError(f"cache.kind must be 'suffix' or 'ngram', got {cc.kind!r}")
@@ -233,7 +237,7 @@ def open_maintainer(cfg: Config, source: EventSource | None = None) -> CacheMain
     src = source if source is not None else open_source(cfg, cc.consumer_group)
     return CacheMaintainer.resume(src, snapshot_dir(cfg), lambda: new_cache(cc),
                                   snapshot_every_s=cc.snapshot_every_s, snapshot_every_n=cc.snapshot_every_n,
-                                  keep_snapshots=cc.keep_snapshots, include_prompt=cc.include_prompt,
+                                  keep_snapshots=cc.keep_snapshots,
                                   batch_max_records=cfg.stream.batch_max_records, partitions=_partitions(cfg))
 
 
@@ -248,7 +252,7 @@ def open_replica_cache(cfg: Config, source: EventSource | None = None, *, start:
 
     cc = cfg.cache
     src = source if source is not None else open_source(cfg, f"{cc.consumer_group}-replica-{uuid.uuid4().hex[:8]}")
-    m = CacheMaintainer.resume(src, snapshot_dir(cfg), lambda: new_cache(cc), include_prompt=cc.include_prompt,
+    m = CacheMaintainer.resume(src, snapshot_dir(cfg), lambda: new_cache(cc),
                                batch_max_records=cfg.stream.batch_max_records, partitions=_partitions(cfg))
     m.snapshot_dir = None  # replicas read snapshots, the maintainer writes them
     return m.start() if start else m

@@ -1,4 +1,5 @@
-"""`livedraft config show`: the effective configuration (file + environment)."""
+"""`livedraft config show`: the effective configuration (file + environment);
+`livedraft config docs`: the configuration reference (docs/configuration.md), from the code."""
 
 from __future__ import annotations
 
@@ -12,8 +13,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="print the effective config as TOML")
     show.set_defaults(func=show_config)
+    docs = csub.add_parser("docs", help="print the configuration reference (Markdown) generated from the code")
+    docs.set_defaults(func=config_docs)
 
 
 def show_config(args: argparse.Namespace) -> int:
     print(to_toml(load_config(args.config)), end="")
+    return 0
+
+
+def config_docs(args: argparse.Namespace) -> int:
+    from online.config_docs import reference
+
+    print(reference(), end="")
     return 0

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 
 from online.config import Config, load_config
+from online.models import add_model_arguments
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-drafter", help="drafter directory to bootstrap the registry with when it has no "
                                              "champion yet")
     p.add_argument("--no-trainer", action="store_true", help="collect only")
+    p.add_argument("--target", help="the target model (directory, GGUF or smollm2-135m): needed to train eagle "
+                                    "heads, whose rounds recompute its hidden states; checks model drafters' vocabulary")
+    add_model_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -49,9 +53,14 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = apply_data_dir(load_config(args.config), args.data_dir)
     cfg.data_path.mkdir(parents=True, exist_ok=True)
-    daemon = Daemon(cfg, trainer=not args.no_trainer)
+    target = None
+    if args.target:
+        from online.models import load_target
+
+        target = load_target(args.target, cfg, args)
+    daemon = Daemon(cfg, trainer=not args.no_trainer, target=target)
     if args.initial_drafter:
-        version = daemon.registry.bootstrap(args.initial_drafter)
+        version = daemon.registry.bootstrap(args.initial_drafter, target_model=target.model_id if target else "")
         print(f"registry {cfg.registry.model_name}: champion is version {version}", flush=True)
     stop = threading.Event()
     restore = install_stop_signals(stop)

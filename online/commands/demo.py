@@ -7,6 +7,7 @@ from pathlib import Path
 
 from online.commands import generate
 from online.config import load_config
+from online.models import add_model_arguments
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.txt"
 
@@ -17,16 +18,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers of the derived drafter")
     p.add_argument("--prompts", default=str(EXAMPLES))
     p.add_argument("--max-new-tokens", type=int, default=48)
+    add_model_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from online.commands.up import initial_drafter_dir
-    from runtime.loader import load_model
+    from online.models import load_target
 
     cfg = load_config(args.config)
     drafter_dir = initial_drafter_dir(cfg, args.target, args.layers,
-                                      lambda: load_model(args.target, cache_dir=cfg.models.cache_dir))
+                                      lambda: load_target(args.target, cfg, args))
     for kind, extra in (("model", ["--adaptive"]), ("lookup", ["--k", "4"])):
         print(f"\n======== drafter: {kind} {' '.join(extra)} ========\n", flush=True)
         argv = ["--target", args.target, "--drafter", str(drafter_dir), "--drafter-kind", kind,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from online.config import load_config
+from online.models import add_model_arguments
 from runtime.adaptive import DraftLengthConfig
 from runtime.errors import LivedraftError, RequestError
 from runtime.stats import RequestStats
@@ -24,8 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
-    p.add_argument("--drafter", help="drafter model (for --drafter-kind model)")
-    p.add_argument("--drafter-kind", default="model", help="model | lookup | none (default: model)")
+    p.add_argument("--drafter", help="drafter directory (kinds model, eagle, hybrid)")
+    p.add_argument("--drafter-kind", default="model",
+                   help="model | eagle | lookup | suffix | ngram | hybrid | none (default: model)")
     p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl ({\"prompt\": ...})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -33,10 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--k", type=int, default=4, help="fixed draft length (default 4)")
-    mode.add_argument("--adaptive", action="store_true", help="adaptive draft length (confidence stop + per-position cap)")
+    mode.add_argument("--adaptive", action="store_true",
+                      help="adaptive draft length: each step the k in 0..--k-max with the most expected tokens/s, "
+                           "from measured draft and verify costs (runtime/adaptive.py)")
     p.add_argument("--k-max", type=int, default=8, help="upper bound on k in --adaptive mode")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt and a final summary line")
+    add_model_arguments(p)
 
 
 def read_prompts(path: str) -> list[str]:
@@ -66,18 +71,19 @@ def encode(tokenizer: object, prompt: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from online.models import load_target, resolve_drafter
     from runtime.drafters.factory import DrafterConfig, build_drafter
     from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
-    from runtime.loader import load_model
 
     cfg = load_config(args.config)
     prompts = read_prompts(args.prompts)
-    target = load_model(args.target, cache_dir=cfg.models.cache_dir)
+    target = load_target(args.target, cfg, args)
     if target.tokenizer is None:
         raise LivedraftError(f"target {args.target} has no tokenizer: generate needs one to encode prompts")
     if args.chat and not getattr(target.tokenizer, "chat_template", None):
         raise LivedraftError(f"target {args.target} has no chat template: drop --chat to encode prompts as plain text")
-    drafter = build_drafter(DrafterConfig(kind=args.drafter_kind, path=args.drafter), target, cfg.models.cache_dir)
+    path = resolve_drafter(args.drafter, cfg)
+    drafter = build_drafter(DrafterConfig(kind=args.drafter_kind, path=path), target, cfg.models.cache_dir)
     length = DraftLengthConfig(k=args.k_max, adaptive=True) if args.adaptive else DraftLengthConfig(k=args.k)
     engine = SpeculativeEngine.for_model(target, drafter, EngineConfig(draft=length))
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from online.config import load_config
+from online.models import add_model_arguments
 from runtime.adaptive import DraftLengthConfig
 from runtime.errors import LivedraftError, RequestError
 from runtime.stats import RequestStats
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="score drafters on logged traffic (teacher-forced; --target re-executes)")
     p.add_argument("--traffic", required=True,
                    help="a store URL (sqlite:///path.db, postgresql+psycopg://...) or a .jsonl export")
+    add_model_arguments(p)
     p.add_argument("--limit", type=int, help="the most recent N matching traces")
     p.add_argument("--since", help="created at or after (epoch seconds or ISO 8601, UTC if no zone)")
     p.add_argument("--until", help="created before (epoch seconds or ISO 8601)")
@@ -47,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-kind", default="model", help=f"kind of every --drafter: {KINDS_HELP} (default model)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--k", type=int, default=4, help="fixed draft length (default 4)")
-    mode.add_argument("--adaptive", action="store_true", help="adaptive draft length (as served with --adaptive)")
+    mode.add_argument("--adaptive", action="store_true",
+                      help="adaptive draft length as served, deciding on --cost-ratio and a verify cost of "
+                           "+10%% per position (replay's own timings say nothing about serving)")
     p.add_argument("--k-max", type=int, default=8, help="upper bound on k in --adaptive mode")
     p.add_argument("--target", help="re-execute the requests through the engine with this target (wall-clock tokens/s)")
     p.add_argument("--cost-ratio", type=float,
@@ -151,10 +155,14 @@ def drafter_specs(values: list[str], kind: str) -> list[DrafterConfig]:
         if kind not in MODEL_FREE:
             raise LivedraftError("give at least one --drafter (a model directory, or a kind such as lookup)")
         return [DrafterConfig(kind=kind)]
+    from runtime.drafters.factory import drafter_kind
+
     specs = []
     for v in values:
-        if v in BUILDERS and v != "model" and not Path(v).exists():
+        if v in BUILDERS and v not in ("model", "eagle") and not Path(v).exists():
             specs.append(DrafterConfig(kind=v))
+        elif kind == "model" and Path(v).is_dir():
+            specs.append(DrafterConfig(kind=drafter_kind(v), path=v))  # a model or an eagle directory
         else:
             specs.append(DrafterConfig(kind=kind, path=None if kind in MODEL_FREE else v))
     return specs
@@ -225,8 +233,15 @@ def score(traces: list[RequestTrace], specs: list[DrafterConfig], length: DraftL
     runs = []
     for spec in specs:
         drafter = build_drafter(spec, target, cache_dir)
+        features = None
+        if drafter.uses_features:  # an eagle head: recompute the target's features teacher-forced
+            from online.trainer.features import FeatureExtractor
+
+            extractor = FeatureExtractor(target, drafter.config.aux_layers)
+            features = lambda t, ex=extractor: ex.one(t.prompt_ids + t.output_ids).features  # noqa: E731
         # Without --target, replay_traces sizes the vocabulary from the drafter or the traffic itself.
-        report = replay_traces(traces, drafter, length=length, vocab_size=vocab)
+        report = replay_traces(traces, drafter, length=length, vocab_size=vocab, features=features,
+                               **({"cost_ratio": cost_ratio} if cost_ratio is not None else {}))
         live = live_speedup = None
         if target is not None:
             live = execute(traces, target, build_drafter(spec, target, cache_dir), length)
@@ -314,10 +329,10 @@ def plot(runs: list[DrafterRun], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.loader import load_model
+    from online.models import load_target, resolve_drafter
 
     cfg = load_config(args.config)
-    specs = drafter_specs(args.drafter, args.drafter_kind)
+    specs = drafter_specs([resolve_drafter(d, cfg) for d in args.drafter or []], args.drafter_kind)
     if args.k < 1 or args.k_max < 1:
         raise LivedraftError("--k and --k-max must be >= 1")
     if args.cost_ratio is not None and args.cost_ratio < 0:
@@ -333,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         raise LivedraftError(f"all {len(traces)} traces are sampled (temperature > 0): teacher-forced replay scores "
                              "greedy traffic only; pass --target to re-execute them")
     length = DraftLengthConfig(k=args.k_max, adaptive=True) if args.adaptive else DraftLengthConfig(k=args.k)
-    target = load_model(args.target, cache_dir=cfg.models.cache_dir) if args.target else None
+    target = load_target(args.target, cfg, args) if args.target else None
     runs = score(traces, specs, length, target, args.cost_ratio, cfg.models.cache_dir)
     summary = {"source": args.traffic, "filters": filters, "traces": len(traces), "greedy": greedy,
                "skipped_sampled": len(traces) - greedy}

@@ -8,6 +8,7 @@ import threading
 
 from online.commands.daemon import install_stop_signals
 from online.config import load_config
+from online.models import add_model_arguments
 from runtime.errors import LivedraftError
 
 log = logging.getLogger(__name__)
@@ -16,16 +17,25 @@ log = logging.getLogger(__name__)
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-compatible), with drafter hot-swap")
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
-    p.add_argument("--drafter", help="drafter model directory (for --drafter-kind model)")
+    p.add_argument("--drafter", help="drafter directory (kinds model, eagle, hybrid)")
     p.add_argument("--drafter-kind", default="model",
-                   help="model | lookup | none (default: model; with --watch-registry and no --drafter, "
-                        "the registry's champion)")
+                   help="model | eagle | lookup | suffix | ngram | hybrid | none (default: model; with "
+                        "--watch-registry and no --drafter, the registry's champion)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--k", type=int, help="fixed draft length (default: [serve] k)")
-    mode.add_argument("--adaptive", action="store_true", help="adaptive draft length up to --k-max")
+    mode.add_argument("--adaptive", action="store_true",
+                      help="adaptive draft length, 0 to --k-max, for the most tokens/s (the default; --k N fixes it)")
     p.add_argument("--k-max", type=int, help="upper bound on k in --adaptive mode")
+    add_model_arguments(p)
+    p.add_argument("--max-batch", type=int, help="requests decoded together (default: [serve] max_batch)")
     p.add_argument("--host", help="listen address (default: [serve] host)")
     p.add_argument("--port", type=int, help="listen port, 0 = any free port (default: [serve] port)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 (default: [serve] api_key, "
+                                     "env LIVEDRAFT_API_KEY)")
+    p.add_argument("--api-keys-file", help="JSON or TOML {\"key\": \"tenant\"}: each key's traffic carries its "
+                                           "tenant's tag, which the client cannot choose")
+    p.add_argument("--durable-traces", action="store_true",
+                   help="answer only once the request's trace is flushed to the stream")
     p.add_argument("--watch-registry", action="store_true",
                    help="hot-swap the MLflow registry's champion drafter (polled every [serve] poll_s)")
     p.set_defaults(func=run)
@@ -33,10 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from online.drafter_source import RegistryDrafterSource
+    from online.models import load_target, resolve_drafter
     from online.serving import start_serving
     from online.stream import open_sink
     from runtime.drafters.factory import DrafterConfig, build_drafter
-    from runtime.loader import load_model
 
     cfg = load_config(args.config)
     s = cfg.serve
@@ -45,12 +55,19 @@ def run(args: argparse.Namespace) -> int:
     s.adaptive = s.adaptive or args.adaptive
     s.k_max = args.k_max or s.k_max
     s.watch_registry = s.watch_registry or args.watch_registry
+    s.max_batch = args.max_batch or s.max_batch
+    s.api_key = args.api_key or s.api_key
+    s.api_keys_file = args.api_keys_file or s.api_keys_file
+    s.durable_traces = s.durable_traces or args.durable_traces
     if s.k < 1 or s.k_max < 1:
         raise LivedraftError(f"draft lengths must be >= 1, got k={s.k}, k_max={s.k_max}")
-    target = load_model(args.target, cache_dir=cfg.models.cache_dir)
+    if s.max_batch < 1:
+        raise LivedraftError(f"max_batch must be >= 1, got {s.max_batch}")
+    target = load_target(args.target, cfg, args)
     initial = None
     if args.drafter or args.drafter_kind != "model" or not s.watch_registry:
-        initial = build_drafter(DrafterConfig(kind=args.drafter_kind, path=args.drafter), target, cfg.models.cache_dir)
+        initial = build_drafter(DrafterConfig(kind=args.drafter_kind, path=resolve_drafter(args.drafter, cfg)),
+                                target, cfg.models.cache_dir)
     source = None
     if s.watch_registry:
         from online.registry import DrafterRegistry

@@ -1,18 +1,22 @@
 """`livedraft up`: the embedded default in one process — serve + daemon on one data directory
-(SQLite store, embedded SQL stream, local MLflow store), a derived drafter bootstrapped as the
-first champion. `--demo` also sends traffic for a while, shows acceptance rising, and exits."""
+(SQLite store, embedded SQL stream, local MLflow store), an initial drafter bootstrapped as the
+first champion: an EAGLE-3 head warm-started on built-in prompts (cached), or a drafter derived
+from the target's first layers. `--demo` also sends traffic for a while, shows acceptance and
+tokens/s against target-only requests served in the same run, and exits."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from online.commands.daemon import apply_data_dir, install_stop_signals
-from online.config import Config, load_config
+from online.config import Config, TrainerConfig, load_config
+from online.models import add_model_arguments
 from runtime.errors import LivedraftError
 
 log = logging.getLogger(__name__)
@@ -23,21 +27,27 @@ log = logging.getLogger(__name__)
 DEMO_DEFAULTS = {
     "daemon": {"min_new_traces": 10, "check_interval_s": 2.0, "interval_s": 0.0, "window_traces": 24,
                "holdout_traces": 4, "drain_timeout_s": 90.0},
-    "trainer": {"steps": 8, "batch_size": 4, "max_seconds": 60.0},
+    "trainer": {"steps": 16, "batch_size": 8, "max_seconds": 60.0, "lr": 5e-4},
     "serve": {"poll_s": 1.0, "torch_threads": 1},
 }
+WARM_START_PROMPTS = 96  # built-in prompts the target answers for an initial eagle head
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="serve + collector + trainer on one data directory (the embedded default)")
     p.add_argument("--data-dir", help="data directory (default: data_dir from the config, ~/.livedraft)")
     p.add_argument("--target", default="smollm2-135m", help="directory, GGUF file or smollm2-135m")
-    p.add_argument("--drafter", help="initial drafter directory (default: derived from the target, cached "
-                                     "in <data-dir>/drafters)")
-    p.add_argument("--layers", type=int, default=4, help="layers of the derived drafter")
+    p.add_argument("--drafter", help="initial drafter directory (default: made for the target, see --learned)")
+    p.add_argument("--learned", choices=("eagle", "model"), default="eagle",
+                   help="the initial learned drafter without --drafter: eagle (default), an EAGLE-3 head warm-"
+                        "started for --warm-start-minutes on built-in prompts, cached under models.cache_dir; "
+                        "model: the target's first --layers layers, cached in <data-dir>/drafters")
+    p.add_argument("--warm-start-minutes", type=float, default=1.5, help="eagle: training time of the warm start")
+    p.add_argument("--layers", type=int, default=4, help="layers of the derived drafter (--learned model)")
     p.add_argument("--drafter-kind", choices=("hybrid", "model"), default="hybrid",
                    help="hybrid (default): the shared suffix cache of the traffic log when it is confident, "
-                        "else the registry's champion model drafter; model: the champion alone")
+                        "else the registry's champion (eagle or model); model: the champion alone")
+    add_model_arguments(p)
     p.add_argument("--host", help="listen address (default: [serve] host)")
     p.add_argument("--port", type=int, help="listen port, 0 = any free port (default: [serve] port; --demo: 0)")
     p.add_argument("--demo", action="store_true", help="also send traffic for --demo-seconds, then exit")
@@ -59,6 +69,35 @@ def apply_defaults(cfg: Config, defaults: dict[str, dict[str, object]]) -> None:
                 setattr(obj, key, value)
 
 
+def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float, avoid_domain: str | None = None
+                      ) -> Path:
+    """An EAGLE-3 head for target `spec`, warm-started on WARM_START_PROMPTS built-in prompts of the
+    traffic domains (but `avoid_domain`, so a demo shows the loop learning that one) for `minutes`
+    of training, cached under models.cache_dir/drafters."""
+    from online.prompts import DOMAINS, prompts_for
+    from online.trainer.warmstart import answer_prompts, warm_start
+
+    domains = [d for d in sorted(DOMAINS) if d != avoid_domain]
+    out = (Path(cfg.models.cache_dir).expanduser() / "drafters"
+           / f"{Path(spec).name}-eagle-{'-'.join(domains)}-{WARM_START_PROMPTS}p-{minutes:g}min")
+    if (out / "config.json").is_file():
+        return out
+    per = WARM_START_PROMPTS // len(domains)
+    texts = chat_prompts(target.tokenizer, [p for d in domains for p in prompts_for(d, per, seed=99)])
+    print(f"warm-starting an EAGLE-3 head for {spec} on {len(texts)} prompts ({', '.join(domains)}) for "
+          f"{minutes:g} min of training into {out} (once) ...", flush=True)
+    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], 48)
+    tcfg = TrainerConfig(steps=1_000_000, max_seconds=minutes * 60, batch_size=8, lr=1e-3, ce_weight=0.2,
+                         warmup_steps=20)
+    tmp = out.parent / f".{out.name}-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    res = warm_start(target, traces[:-8], traces[-8:], tmp, tcfg, eval_every=0, version=f"{Path(spec).name}-eagle")
+    tmp.rename(out)
+    print(f"warm start: {res.steps} steps, held-out mean acceptance length "
+          f"{res.curve[-1].heldout_mean_acceptance_length:.2f}", flush=True)
+    return out
+
+
 def initial_drafter_dir(cfg: Config, spec: str, layers: int, target: Callable[[], object]) -> Path:
     """The drafter derived from target `spec` (first `layers` layers), cached under
     <data_dir>/drafters/<name>-<layers>l; `target()` gives the loaded target, called only to derive."""
@@ -74,10 +113,10 @@ def initial_drafter_dir(cfg: Config, spec: str, layers: int, target: Callable[[]
 def run(args: argparse.Namespace) -> int:
     from online.daemon import Daemon
     from online.drafter_source import RegistryDrafterSource
+    from online.models import load_target
     from online.registry import DrafterRegistry
     from online.serving import start_serving
     from online.stream import open_sink
-    from runtime.loader import load_model
 
     cfg = apply_data_dir(load_config(args.config), args.data_dir)
     if args.demo:
@@ -90,8 +129,14 @@ def run(args: argparse.Namespace) -> int:
     cfg.data_path.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     print(f"livedraft up: data directory {cfg.data_path}; loading {args.target} ...", flush=True)
-    target = load_model(args.target, cache_dir=cfg.models.cache_dir)
-    drafter_dir = Path(args.drafter) if args.drafter else initial_drafter_dir(cfg, args.target, args.layers, lambda: target)
+    target = load_target(args.target, cfg, args)
+    if args.drafter:
+        drafter_dir = Path(args.drafter)
+    elif args.learned == "eagle":
+        drafter_dir = initial_eagle_dir(cfg, args.target, target, minutes=args.warm_start_minutes,
+                                        avoid_domain=args.demo_domain if args.demo else None)
+    else:
+        drafter_dir = initial_drafter_dir(cfg, args.target, args.layers, lambda: target)
     registry = DrafterRegistry.from_config(cfg)
     champion = registry.bootstrap(drafter_dir, target_model=target.model_id)
     source = RegistryDrafterSource(registry, target)
@@ -109,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         source = HybridDrafterSource(source, cache, cfg.cache.hybrid_threshold)
     sink = open_sink(cfg)
     try:
-        handle = start_serving(cfg, target=target, drafter_source=source, sink=sink, host=args.host, port=args.port)
+        handle = start_serving(cfg, target=target, drafter_source=source, sink=sink, host=args.host, port=args.port,
+                               dead_letters=lambda: daemon.collector.dead_letters)
     except BaseException:
         sink.close()
         if replica is not None:
@@ -204,7 +250,7 @@ def _trained_and_served(daemon: object, handle: object, registry: object,
 def _demo(args: argparse.Namespace, url: str, stop: threading.Event, tokenizer: object,
           trained: Callable[[], bool]) -> str:
     from online.prompts import prompts_for
-    from online.traffic import TrafficReport, run_traffic
+    from online.traffic import run_traffic
 
     print(f"demo: {args.demo_domain} traffic for {args.demo_seconds:.0f}s (greedy, {args.demo_max_tokens} tokens); "
           "watch the mean acceptance length and the drafter version:", flush=True)
@@ -224,14 +270,33 @@ def _demo(args: argparse.Namespace, url: str, stop: threading.Event, tokenizer: 
     try:
         report = run_traffic(url, chat_prompts(tokenizer, prompts_for(args.demo_domain, 2000, seed=0)), rate=0,
                              max_tokens=args.demo_max_tokens, concurrency=1, report_every_s=10.0,
-                             stop=stop, on_line=lambda line: print("demo: " + line, flush=True))
+                             stop=stop, on_line=lambda line: print("demo: " + line, flush=True),
+                             baseline_every=DEMO_BASELINE_EVERY)
     finally:
         stop.set()
+    return demo_summary(report)
+
+
+DEMO_BASELINE_EVERY = 4  # one request in four is served by the target alone: the same-run baseline
+
+
+def demo_summary(report: object) -> str:
+    """Per drafter version: requests, mean acceptance length, median tokens/s and its ratio to the
+    target-only requests served in the same run."""
+    from online.traffic import TrafficReport
+
     done = sorted(report.completed, key=lambda c: c.finished_at)
     if not done:
         raise LivedraftError(f"demo: no request succeeded ({report.failed} failed): {report.errors[:1]}")
-    by_version = {v: [c for c in done if c.drafter_version == v] for v in report.versions()}
-    lines = [f"demo: {len(done)} requests in {report.seconds:.0f}s; mean acceptance length by drafter version:"]
-    lines += [f"  version {v}: {TrafficReport.mal(cs):.2f} over {len(cs)} requests" for v, cs in by_version.items()]
+    base = [c for c in done if not c.speculate]
+    base_tps = TrafficReport.tokens_per_s(base)
+    lines = [f"demo: {len(done)} requests in {report.seconds:.0f}s; target alone (every {DEMO_BASELINE_EVERY}th "
+             f"request, same server, same run): {base_tps:.1f} tokens/s median over {len(base)} requests",
+             "  drafter version | requests | mean acceptance length | tokens/s (median) | x target alone"]
+    for v in report.versions():
+        cs = [c for c in done if c.speculate and c.drafter_version == v]
+        tps = TrafficReport.tokens_per_s(cs)
+        lines.append(f"  {v:>15} | {len(cs):8d} | {TrafficReport.mal(cs):22.2f} | {tps:17.1f} | "
+                     f"{tps / base_tps if base and base_tps > 0 else float('nan'):.2f}x")
     return "\n".join(lines)
 

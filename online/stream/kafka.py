@@ -43,9 +43,11 @@ def _servers(bootstrap_servers: str | list[str]) -> list[str]:
 
 
 def ensure_topic(bootstrap_servers: str | list[str], topic: str, partitions: int, timeout_s: float = 10.0) -> bool:
-    """Creates `topic` with `partitions` partitions unless it exists. Returns True if it created it.
-
-    Blocks up to about `timeout_s`; raises StreamUnavailableError when the broker is unreachable.
+    """Creates `topic` with `partitions` partitions unless it exists (then warns if it has another
+    count: Kafka never shrinks a topic, and livedraft does not grow one behind the operator's back).
+    Returns True if it created it. Sinks and sources both call it before use, so the topic never
+    comes up with the broker's auto-create default. Blocks up to about `timeout_s`; raises
+    StreamUnavailableError when the broker is unreachable.
     """
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError, TopicAlreadyExistsError
@@ -64,6 +66,14 @@ def ensure_topic(bootstrap_servers: str | list[str], topic: str, partitions: int
         log.info("created Kafka topic %s with %d partitions", topic, partitions)
         return True
     except TopicAlreadyExistsError:
+        try:
+            have = len(admin.describe_topics([topic])[0].get("partitions") or [])
+        except (KafkaError, IndexError, KeyError, TypeError):
+            have = None
+        if have is not None and have != partitions:
+            log.warning("Kafka topic %s exists with %d partitions, not the configured stream.partitions = %d: "
+                        "keyed ordering and consumer parallelism follow the topic; change it with Kafka's "
+                        "tools (partitions can only grow) or set stream.partitions = %d", topic, have, partitions, have)
         return False
     finally:
         admin.close()
@@ -149,18 +159,20 @@ class KafkaSink:
             self.emitted += 1
             self._cond.notify_all()
 
-    def flush(self, timeout_s: float = 10.0) -> None:
+    def flush(self, timeout_s: float = 10.0) -> bool:
         """Blocks up to `timeout_s` until every event emitted so far is acknowledged or failed.
-        Logs (never raises) when the time runs out."""
+        True when all of them were acknowledged (none failed meanwhile). Logs, never raises,
+        when the time runs out."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            failed_before = self.failed
             while self._pending or self._taken or self._sent > self.delivered + self.failed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("Kafka sink flush timed out after %.1fs: %d queued, %d in flight",
                                 timeout_s, len(self._pending) + self._taken,
                                 self._sent - self.delivered - self.failed)
-                    return
+                    return False
                 if self._producer is not None and not self._pending and not self._taken:
                     break  # all handed over: let the producer flush its batches now
                 self._cond.wait(min(left, 0.05))
@@ -170,6 +182,9 @@ class KafkaSink:
                 producer.flush(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as e:  # KafkaTimeoutError; delivery errors arrive via callbacks
                 log.warning("Kafka sink flush: %s", e)
+                return False
+        with self._cond:
+            return self._sent <= self.delivered + self.failed and self.failed == failed_before
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Flushes for up to `timeout_s`, stops the worker and closes the producer. Events
@@ -310,10 +325,15 @@ class KafkaSource:
         heartbeat_interval_ms: int = 1000,
         connect_timeout_s: float = 10.0,
         consumer_config: dict[str, Any] | None = None,
+        partitions: int | None = None,
     ) -> None:
+        """`partitions`: create the topic with this many partitions if it is missing (else the
+        broker's auto-create default would decide)."""
         from kafka import ConsumerRebalanceListener, KafkaConsumer
         from kafka.errors import KafkaError
 
+        if partitions is not None:
+            ensure_topic(bootstrap_servers, topic, partitions, connect_timeout_s)
         self.topic = topic
         self.group = group
         self.commit_failures = 0
@@ -350,7 +370,7 @@ class KafkaSource:
     @classmethod
     def from_config(cls, cfg: Config, group: str | None = None) -> KafkaSource:
         s = cfg.stream
-        return cls(s.bootstrap_servers, s.topic, group or s.consumer_group,
+        return cls(s.bootstrap_servers, s.topic, group or s.consumer_group, partitions=s.partitions,
                    session_timeout_ms=s.kafka_session_timeout_ms, heartbeat_interval_ms=s.kafka_heartbeat_interval_ms)
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
@@ -402,40 +422,3 @@ class KafkaSource:
             self._consumer.close(autocommit=False)
         except Exception as e:
             log.warning("Kafka consumer close: %s", e)
-
-
-class DeadLetterPublisher:
-    """Publishes records a consumer could not decode to the dead-letter topic, with the reason
-    and origin in headers. `publish` blocks until the broker acknowledges (consumer side only)."""
-
-    def __init__(self, bootstrap_servers: str | list[str], topic: str, connect_timeout_s: float = 10.0) -> None:
-        from kafka import KafkaProducer
-        from kafka.errors import KafkaError
-
-        self.topic = topic
-        try:
-            self._producer = KafkaProducer(bootstrap_servers=_servers(bootstrap_servers), acks="all",
-                                           bootstrap_timeout_ms=int(connect_timeout_s * 1000),
-                                           client_id="livedraft-dead-letters")
-        except KafkaError as e:
-            raise StreamUnavailableError(f"cannot reach Kafka at {bootstrap_servers}: {e}") from None
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> DeadLetterPublisher:
-        return cls(cfg.stream.bootstrap_servers, cfg.stream.dead_letter_topic)
-
-    def publish(self, record: Record, reason: str, source_topic: str = "", timeout_s: float = 10.0) -> None:
-        """Raises StreamUnavailableError if the broker does not acknowledge within `timeout_s`."""
-        from kafka.errors import KafkaError
-
-        headers = [("reason", reason.encode()), ("source_topic", source_topic.encode()),
-                   ("source_partition", str(record.partition).encode()),
-                   ("source_offset", str(record.offset).encode())]
-        try:
-            self._producer.send(self.topic, value=record.payload, key=record.key.encode() if record.key else None,
-                                headers=headers).get(timeout=timeout_s)
-        except KafkaError as e:
-            raise StreamUnavailableError(f"dead letter not acknowledged by {self.topic}: {e}") from None
-
-    def close(self) -> None:
-        self._producer.close(timeout=1.0)

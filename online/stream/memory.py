@@ -62,8 +62,8 @@ class MemorySinkAdapter:
         self.stream.append(encode_trace(event), event.request_id)
         self.emitted += 1
 
-    def flush(self, timeout_s: float = 10.0) -> None:
-        pass
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        return True  # appended synchronously by emit
 
     def close(self, timeout_s: float = 10.0) -> None:
         pass

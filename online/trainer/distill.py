@@ -39,6 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from online.config import TrainerConfig
 from online.trainer.losses import DIVERGENCES, soft_label_loss, token_cross_entropy
+from online.windows import NotEnoughData
 from runtime.errors import LivedraftError
 from runtime.loader import DRAFTER_META, MODEL_LOAD_LOCK, load_model, read_drafter_meta
 from runtime.trace import RequestTrace
@@ -53,8 +54,7 @@ class TrainingError(LivedraftError, ValueError):
     """Bad trainer configuration or no usable training data; the message says what to do."""
 
 
-class NotEnoughData(TrainingError):
-    """Too little usable traffic for training or for the promotion gate; retry when more has arrived."""
+# NotEnoughData lives in online/windows.py (the store raises it too); imported here for callers of distill
 
 
 @dataclass
@@ -154,10 +154,11 @@ def check_config(cfg: TrainerConfig) -> None:
         raise TrainingError(f"[trainer] loss {cfg.loss!r} is unknown: choose one of {sorted(DIVERGENCES)}")
     if cfg.loss == "jsd" and not 0.0 < cfg.jsd_beta < 1.0:
         raise TrainingError(f"[trainer] jsd_beta must be in (0, 1), got {cfg.jsd_beta}")
-    for key in ("lr", "steps", "batch_size"):
+    for key in ("lr", "steps", "batch_size", "ttt_steps", "ttt_decay", "draft_vocab"):
         if not getattr(cfg, key) > 0:
             raise TrainingError(f"[trainer] {key} must be > 0, got {getattr(cfg, key)}")
-    for key in ("ce_weight", "max_seconds", "max_grad_norm", "weight_decay"):
+    for key in ("ce_weight", "max_seconds", "max_grad_norm", "weight_decay", "prompt_weight", "rejected_weight",
+                "warmup_steps", "ngram_weight"):
         if getattr(cfg, key) < 0:
             raise TrainingError(f"[trainer] {key} must be >= 0, got {getattr(cfg, key)}")
     if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):

@@ -15,61 +15,23 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from online.config import TrainerConfig
 from online.replay import ReplayReport, replay_traces
-from online.trainer.distill import DistillResult, NotEnoughData, check_config, distill
+from online.trainer.crossvocab import distill_crossvocab
+from online.trainer.distill import DistillResult, TrainingError, check_config, distill
+from online.trainer.eagle import distill_eagle
+from online.trainer.features import FeatureExtractor, TargetPass
+from online.windows import NotEnoughData, TraceWindow, split_window
 from runtime.adaptive import DraftLengthConfig
-from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.eagle import EagleConfig
+from runtime.drafters.factory import drafter_kind, load_drafter, load_feature_drafter
 from runtime.loader import LoadedModel
 from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TraceWindow:
-    """Traces to train on and the held-out slice (newer than all of `train`) that gates promotion."""
-
-    train: list[RequestTrace]
-    holdout: list[RequestTrace]
-    start: int | None = None  # store offsets of the window, when the source has them
-    end: int | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """Provenance for drafter metadata and registry tags (JSON-serialisable)."""
-        everything = self.train + self.holdout
-        return {
-            "start": self.start, "end": self.end,
-            "train_traces": len(self.train), "holdout_traces": len(self.holdout),
-            "first_request_id": everything[0].request_id if everything else None,
-            "last_request_id": everything[-1].request_id if everything else None,
-            "first_created_at": min((t.created_at for t in everything), default=None),
-            "last_finished_at": max((t.finished_at for t in everything), default=None),
-        }
-
-
-class TraceSource(Protocol):
-    """Where a round's traces come from (the SQL store, a file, a list in tests)."""
-
-    def window(self) -> TraceWindow:
-        """The next window, oldest trace first. Blocks only for the read.
-        Raises NotEnoughData when there is not enough new traffic for a round."""
-        ...
-
-
-def split_window(
-    traces: Sequence[RequestTrace], holdout_fraction: float, *, start: int | None = None, end: int | None = None
-) -> TraceWindow:
-    """Holds out the newest `holdout_fraction` of `traces` (given oldest first); at least one each side."""
-    if not 0.0 < holdout_fraction < 1.0:
-        raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
-    if len(traces) < 2:
-        raise NotEnoughData(f"a round needs at least 2 traces (train + held out), got {len(traces)}")
-    n_hold = min(max(1, round(len(traces) * holdout_fraction)), len(traces) - 1)
-    return TraceWindow(list(traces[:-n_hold]), list(traces[-n_hold:]), start, end)
 
 
 class ListSource:
@@ -131,7 +93,9 @@ def run_round(
 ) -> RoundResult:
     """Trains a candidate into `work_dir/<candidate_version>` and gates it against the champion.
 
-    Blocks for training plus two replays. `target` (optional) only adds the vocabulary check.
+    Blocks for training plus two replays. For a model drafter `target` (optional) only adds the
+    vocabulary check; an eagle (Eagle3) champion needs it: one teacher-forced target pass per
+    trace gives the features that training and both replays read.
     Raises NotEnoughData when the window has no trainable traces or no greedy held-out
     traces, TrainingError on a bad config, ModelLoadError when the champion cannot be loaded.
     """
@@ -143,29 +107,65 @@ def run_round(
                             "replay scores greedy traffic only; widen the window or wait for greedy requests")
     if not window.train:
         raise NotEnoughData("the training window is empty: wait for more traffic")
+    kind = drafter_kind(champion_dir)
+    eagle = kind == "eagle"
+    passes = None
+    if eagle:
+        if target is None:
+            raise TrainingError(f"the champion {champion_dir} is an eagle head: its rounds need the target model "
+                                "(run the trainer where the target is loaded: `livedraft up`, or `livedraft daemon "
+                                "--target T`)")
+        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers, window.train + holdout)
     log.info("round: %d training traces, %d held out; scoring champion %s", len(window.train), len(holdout),
              champion_dir)
-    champ = score_drafter(champion_dir, holdout, k=cfg.replay_k, target=target)
+    champ = score_drafter(champion_dir, holdout, k=cfg.replay_k, target=target, passes=passes)
     champion_version = champion_version or champ.drafter
     candidate_version = candidate_version or f"cand-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     out = Path(work_dir) / candidate_version
     provenance = {"window": window.describe(), "parent_registry_version": champion_version}
-    log.info("round: training %s from %s (%s, %d steps)", candidate_version, champion_version, cfg.loss, cfg.steps)
-    training = distill(champion_dir, window.train, out, cfg, version=candidate_version, provenance=provenance)
-    cand = score_drafter(out, holdout, k=cfg.replay_k, target=target)
+    log.info("round: training %s from %s (%s, %d steps)", candidate_version, champion_version,
+             "eagle" if eagle else cfg.loss, cfg.steps)
+    if eagle:
+        training = distill_eagle(champion_dir, window.train, out, cfg, target, passes=passes,
+                                 version=candidate_version, provenance=provenance)
+    elif kind == "crossvocab":
+        if target is None or target.tokenizer is None:
+            raise TrainingError(f"the champion {champion_dir} drafts across vocabularies: its rounds need the "
+                                "target's tokenizer (run the trainer with the target: `livedraft daemon --target T`)")
+        training = distill_crossvocab(champion_dir, window.train, out, cfg, target.tokenizer,
+                                      version=candidate_version, provenance=provenance)
+    else:
+        training = distill(champion_dir, window.train, out, cfg, version=candidate_version, provenance=provenance)
+    cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)
     log.info("round: %s", reason)
     return RoundResult(out, candidate_version, Path(champion_dir), champion_version, cand, champ, promoted,
                        reason, training, window.describe(), cfg, time.perf_counter() - t0)
 
 
+def target_passes(target: LoadedModel, aux_layers: Sequence[int], traces: Sequence[RequestTrace]
+                  ) -> dict[str, TargetPass]:
+    """One teacher-forced target pass per usable trace, by request id."""
+    ok = [t for t in traces if t.prompt_ids and t.output_ids]
+    return dict(zip((t.request_id for t in ok), FeatureExtractor(target, aux_layers)(ok), strict=True))
+
+
 def score_drafter(
-    path: str | os.PathLike, traces: Sequence[RequestTrace], *, k: int, target: LoadedModel | None = None
+    path: str | os.PathLike, traces: Sequence[RequestTrace], *, k: int, target: LoadedModel | None = None,
+    passes: dict[str, TargetPass] | None = None,
 ) -> ReplayMetrics:
-    """Teacher-forced replay of the greedy `traces` with the drafter at `path`, drafting `k` tokens."""
-    drafter = load_model_drafter(path, target)
+    """Teacher-forced replay of the greedy `traces` with the drafter at `path`, drafting `k` tokens.
+    An eagle drafter reads each trace's target features from `passes` (computed here when missing)."""
     vocab = target.vocab_size if target is not None else None
-    return ReplayMetrics.from_report(replay_traces(traces, drafter, length=DraftLengthConfig(k=k), vocab_size=vocab))
+    length = DraftLengthConfig(k=k)
+    if drafter_kind(path) != "eagle":
+        drafter = load_drafter(path, target)
+        return ReplayMetrics.from_report(replay_traces(traces, drafter, length=length, vocab_size=vocab))
+    drafter = load_feature_drafter(path, target)
+    missing = [t for t in traces if t.request_id not in (passes or {})]
+    passes = {**(passes or {}), **target_passes(target, drafter.config.aux_layers, missing)}
+    return ReplayMetrics.from_report(replay_traces(traces, drafter, length=length, vocab_size=vocab,
+                                                   features=lambda t: passes[t.request_id].features))
 
 
 def decide(candidate: ReplayMetrics, champion: ReplayMetrics, margin: float) -> tuple[bool, str]:

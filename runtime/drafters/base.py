@@ -1,7 +1,8 @@
-"""The Drafter protocol and the Draft it returns."""
+"""The Drafter protocol, the rows it drafts for and the Draft it returns."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -12,8 +13,8 @@ import torch
 class Draft:
     """Up to k proposed tokens.
 
-    `probs` holds the drafter's full distributions over the target vocabulary,
-    one row per token (`[len(tokens), V]`), when the drafter has them; model-free
+    `probs` holds the drafter's distributions over the target vocabulary, one
+    row per token (`[len(tokens), V]`), when the drafter has them; model-free
     drafters leave it None and the verifier treats them as one-hot.
     """
 
@@ -25,51 +26,62 @@ class Draft:
         return len(self.tokens)
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """Proposes tokens for one or more requests, each keyed by `req_id`.
+@dataclass
+class DraftRow:
+    """One request's turn in a batched `propose`.
 
-    Calls for one request are sequential: begin, then propose/observe pairs,
-    then end. `propose` must not mutate `context_ids`. `end` must be safe to
-    call for an unknown request (the engine calls it in `finally`).
-    Calling propose/observe for a request that was never begun raises ValueError.
+    `context` is prompt + output so far; its last token is pending (the target
+    has not processed it yet). `features`, for drafters that read the target's
+    hidden states, are the target's feature rows for the context positions this
+    drafter has not been given yet: they end at `context[-2]` (row j belongs to
+    position len(context) - 1 - n + j, n = len(features)). Nothing is repeated:
+    a drafter that needs them later keeps them.
     """
 
-    version: str
+    req_id: str
+    context: list[int]
+    max_tokens: int  # may be 0: nothing to draft this step (features still arrive)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    min_confidence: float = 0.0
+    generator: torch.Generator | None = None
+    features: torch.Tensor | None = None  # [n, F]
 
-    def begin(self, req_id: str, prompt_ids: list[int]) -> None: ...
 
-    def propose(
-        self,
-        req_id: str,
-        context_ids: list[int],
-        max_tokens: int,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        min_confidence: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> Draft:
-        """At most `max_tokens` tokens continuing `context_ids`.
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes tokens for a batch of requests, each keyed by `req_id`.
 
-        Stops early when the drafter's probability of its own next token falls
-        under `min_confidence` (SpecDec++-style adaptive length); the first token
-        is always proposed when max_tokens > 0.
-        """
+    Per request: `begin`, then one `propose` per decoding step (every step, also
+    those that draft nothing), then `end`. `propose` must not mutate a row's
+    context and returns one Draft per row, in order, of at most `max_tokens`
+    tokens; it stops early once its probability of its own next token falls
+    under `min_confidence` (SpecDec++-style), the first token always proposed when
+    max_tokens > 0. `end` is safe for an unknown request (the engine calls it in
+    `finally`); a request that was never begun raises ValueError in `propose`.
+    Not thread-safe: one engine drives a drafter at a time.
+    """
+
+    version: str  # what traces, metrics and the registry call it
+    uses_features: bool  # True: rows carry the target's fused hidden states (EAGLE-3)
+
+    def begin(self, req_id: str, prompt_ids: list[int], *, tag: str | None) -> None:
+        """Starts a request; `tag` is its tenant/domain (None: untagged). ValueError if active."""
         ...
 
-    def observe(self, req_id: str, accepted_ids: list[int], num_accepted: int) -> None:
-        """Feedback after verification: `accepted_ids` are the tokens appended to
-        the context this step (accepted draft prefix plus the bonus token)."""
-        ...
+    def propose(self, rows: Sequence[DraftRow]) -> list[Draft]: ...
 
-    def end(self, req_id: str) -> None: ...
+    def end(self, req_id: str, output_ids: list[int] | None = None) -> None: ...
 
 
-def begin_request(drafter: Drafter, req_id: str, prompt_ids: list[int], tag: str | None) -> None:
-    """`drafter.begin`, passing the request's tenant tag to drafters that scope by it
-    (those with `tag_aware = True` accept `begin(..., tag=)`)."""
-    if tag is not None and getattr(drafter, "tag_aware", False):
-        drafter.begin(req_id, prompt_ids, tag=tag)
-    else:
-        drafter.begin(req_id, prompt_ids)
+class RowwiseDrafter:
+    """Base for drafters that draft each row on its own (model-free kinds): `propose` calls
+    `propose_row` per row."""
+
+    uses_features = False
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[Draft]:
+        return [self.propose_row(r) for r in rows]
+
+    def propose_row(self, row: DraftRow) -> Draft:
+        raise NotImplementedError

@@ -5,9 +5,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from runtime.drafters.base import Drafter
+from runtime.drafters.crossvocab import CrossVocabDrafter
+from runtime.drafters.eagle import (
+    EagleHead,
+    FeatureDrafter,
+    check_head_matches_target,
+    is_eagle_dir,
+)
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
@@ -15,6 +23,7 @@ from runtime.drafters.ngram import NGramTable
 from runtime.drafters.none import NoDrafter
 from runtime.drafters.suffix import NGramDrafter, SuffixDrafter
 from runtime.drafters.suffix_tree import SuffixCache
+from runtime.drafters.vocab_bridge import VocabBridge
 from runtime.errors import ModelLoadError
 from runtime.loader import LoadedModel, load_model, read_drafter_meta
 
@@ -27,7 +36,8 @@ class DrafterConfig:
     max_ngram: int = 3  # lookup
     min_ngram: int = 1  # lookup
     # suffix / hybrid: the shared global SuffixCache (online.cache keeps it in step with the
-    # traffic log); ngram: the shared NGramTable. None builds an empty one of defaults.
+    # traffic log); ngram: the shared NGramTable; crossvocab: the shared VocabBridge (None: the
+    # drafter translates by text only). None builds an empty one of defaults (suffix, ngram).
     cache: Any = None
     hybrid_threshold: float = 1.0  # hybrid: use the suffix draft when its score (expected accepted tokens) >= this
 
@@ -39,6 +49,29 @@ def _model(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.P
     if not cfg.path:
         raise ModelLoadError("a model drafter needs a path: --drafter DIR (derive one with `livedraft drafter init`)")
     return load_model_drafter(cfg.path, target, cache_dir=cache_dir, version=cfg.version)
+
+
+def _eagle(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
+    if not cfg.path:
+        raise ModelLoadError("an eagle drafter needs a path: --drafter DIR (a speculators Eagle3 directory; "
+                             "make one with `livedraft drafter init --kind eagle --from-target T`)")
+    return load_feature_drafter(cfg.path, target, version=cfg.version)
+
+
+def _crossvocab(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
+    if not cfg.path:
+        raise ModelLoadError("a crossvocab drafter needs a path: --drafter DIR (a small causal LM with its own "
+                             "tokenizer, any vocabulary)")
+    if target is None or target.tokenizer is None:
+        raise ModelLoadError("a crossvocab drafter translates into the target's tokens: give a target with a "
+                             "tokenizer (--target)")
+    d = load_model(cfg.path, cache_dir=cache_dir, dtype=target.model.dtype, device=str(target.model.device))
+    if d.tokenizer is None:
+        raise ModelLoadError(f"crossvocab drafter {d.path} has no tokenizer: it drafts text in its own vocabulary")
+    bridge = _shared(cfg, VocabBridge) if cfg.cache is not None else None
+    meta = read_drafter_meta(d.path)
+    return CrossVocabDrafter(d.model, d.tokenizer, target.tokenizer, bridge=bridge,
+                             version=cfg.version or meta.get("version") or d.model_id)
 
 
 def _lookup(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
@@ -59,9 +92,9 @@ def _ngram(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.P
 
 def _hybrid(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
     if not cfg.path:
-        raise ModelLoadError("a hybrid drafter needs a model drafter path: --drafter DIR "
-                             "(derive one with `livedraft drafter init`), or use --drafter-kind suffix")
-    model = load_model_drafter(cfg.path, target, cache_dir=cache_dir, version=cfg.version)
+        raise ModelLoadError("a hybrid drafter needs a learned drafter: --drafter DIR (a model or eagle drafter "
+                             "directory; `livedraft drafter init`), or use --drafter-kind suffix")
+    model = load_drafter(cfg.path, target, cache_dir=cache_dir, version=cfg.version)
     return HybridDrafter(SuffixDrafter(_shared(cfg, SuffixCache)), model, cfg.hybrid_threshold)
 
 
@@ -74,7 +107,7 @@ def _shared(cfg: DrafterConfig, cls: type) -> Any:
 
 
 BUILDERS: dict[str, Builder] = {
-    "model": _model, "lookup": _lookup, "none": _none,
+    "model": _model, "eagle": _eagle, "crossvocab": _crossvocab, "lookup": _lookup, "none": _none,
     "suffix": _suffix, "ngram": _ngram, "hybrid": _hybrid,
 }
 
@@ -88,6 +121,42 @@ def build_drafter(
     except KeyError:
         raise ModelLoadError(f"unknown drafter kind {cfg.kind!r}: choose one of {sorted(BUILDERS)}") from None
     return builder(cfg, target, cache_dir)
+
+
+def load_feature_drafter(path: str | os.PathLike, target: LoadedModel | None, *,
+                         version: str | None = None) -> FeatureDrafter:
+    """Loads an Eagle3 head (speculators layout) over `target`'s embedding."""
+    if target is None:
+        raise ModelLoadError(f"the eagle drafter {path} reads the target's hidden states and embedding: "
+                             "give the target (--target)")
+    p = Path(path)
+    if not is_eagle_dir(p):
+        raise ModelLoadError(f"{p} is not an Eagle3 drafter directory (no config.json with "
+                             "speculators_model_type 'eagle3'); make one with `livedraft drafter init --kind eagle`")
+    head = EagleHead.load(p, dtype=target.model.dtype, device=target.model.device)
+    check_head_matches_target(head.config, target.model.config, str(p))
+    meta = read_drafter_meta(p)
+    embed = target.model.get_input_embeddings().weight
+    return FeatureDrafter(head, embed, target.vocab_size, version=version or meta.get("version") or p.name)
+
+
+def drafter_kind(path: str | os.PathLike) -> str:
+    """"eagle" for an Eagle3 directory; the kind its livedraft_drafter.json names ("crossvocab"); else "model"."""
+    if is_eagle_dir(path):
+        return "eagle"
+    return str(read_drafter_meta(Path(path)).get("kind") or "model")
+
+
+def load_drafter(path: str | os.PathLike, target: LoadedModel | None, *, cache_dir: str | os.PathLike | None = None,
+                 version: str | None = None, bridge: VocabBridge | None = None) -> Drafter:
+    """A learned drafter directory of any kind (registry versions, candidates); `bridge`: the shared
+    n-gram cache a crossvocab drafter translates through."""
+    kind = drafter_kind(path)
+    if kind == "eagle":
+        return load_feature_drafter(path, target, version=version)
+    if kind == "crossvocab":
+        return _crossvocab(DrafterConfig(kind=kind, path=str(path), version=version, cache=bridge), target, cache_dir)
+    return load_model_drafter(path, target, cache_dir=cache_dir, version=version)
 
 
 def load_model_drafter(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.drafters.base import Draft
+from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 
 
 @dataclass
@@ -21,20 +21,22 @@ class _Request:
     indexed_upto: int = 0  # continuation starts < this are indexed
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(RowwiseDrafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, version: str = "lookup") -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.version = max_ngram, min_ngram, version
         self._requests: dict[str, _Request] = {}
 
-    def begin(self, req_id: str, prompt_ids: list[int]) -> None:
+    def begin(self, req_id: str, prompt_ids: list[int], *, tag: str | None = None) -> None:
+        """`tag` is not needed: the drafter reads only the request's own context."""
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already begun")
         self._requests[req_id] = _Request()
 
-    def propose(self, req_id: str, context_ids: list[int], max_tokens: int, **_: object) -> Draft:
-        st = self._get(req_id)
+    def propose_row(self, row: DraftRow) -> Draft:
+        st = self._get(row.req_id)
+        context_ids, max_tokens = row.context, row.max_tokens
         self._index(st, context_ids)
         L = len(context_ids)
         if max_tokens <= 0:
@@ -45,10 +47,7 @@ class PromptLookupDrafter:
                 return Draft(list(context_ids[start:start + max_tokens]), "lookup")
         return Draft([], "lookup")
 
-    def observe(self, req_id: str, accepted_ids: list[int], num_accepted: int) -> None:
-        self._get(req_id)
-
-    def end(self, req_id: str) -> None:
+    def end(self, req_id: str, output_ids: list[int] | None = None) -> None:
         self._requests.pop(req_id, None)
 
     def _get(self, req_id: str) -> _Request:

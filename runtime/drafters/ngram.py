@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from runtime.drafters.seqlog import (
     LoggedSequence,
     SnapshotMixin,
-    intern_tokens,
 )
 from runtime.drafters.suffix_tree import Speculation
 
@@ -51,7 +50,8 @@ class NGramConfig:
     min_token_prob: float = 0.1
     max_sequences: int = 10_000
     max_tokens: int | None = None
-    tag_scoped: bool = False  # one table per tag: a request drafts only from its tag's outputs
+    tag_scoped: bool = True  # one table per tag: a request drafts only from its tag's outputs
+    include_prompt: bool = False  # cache prompt + output of a request (default: its output, as SuffixDecoding)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -77,19 +77,18 @@ class NGramTable(SnapshotMixin):
     def num_contexts(self, tag: str | None = None) -> int:
         return len(self._tables.get(self._key(tag), ()))
 
-    def add_sequence(self, tokens: Sequence[int], tag: str | None = None) -> None:
-        """Counts a finished output, evicting (un-counting) the oldest past the bounds."""
-        toks = self._log.clip(intern_tokens(tokens))
-        if not toks:
-            return
+    def _insert(self, toks: tuple[int, ...], tag: str | None) -> int:
         with self._lock:
             self._update(self._tables.setdefault(self._key(tag), {}), toks, _inc)
-            for old in self._log.push(LoggedSequence(toks, tag)):
-                key = self._key(old.tag)
-                table = self._tables[key]
-                self._update(table, old.tokens, _dec)
-                if not table:
-                    del self._tables[key]
+        return -1
+
+    def _remove(self, old: LoggedSequence) -> None:
+        key = self._key(old.tag)
+        with self._lock:
+            table = self._tables[key]
+            self._update(table, old.tokens, _dec)
+            if not table:
+                del self._tables[key]
 
     def _update(self, table: dict, seq: Sequence[int], op) -> None:  # noqa: ANN001
         lo, hi = self.config.min_n, self.config.max_n

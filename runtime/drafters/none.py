@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from runtime.drafters.base import Draft
+from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 
 
-class NoDrafter:
+class NoDrafter(RowwiseDrafter):
     version = "none"
 
-    def begin(self, req_id: str, prompt_ids: list[int]) -> None:
+    def begin(self, req_id: str, prompt_ids: list[int], *, tag: str | None = None) -> None:
         pass
 
-    def propose(self, req_id: str, context_ids: list[int], max_tokens: int, **_: object) -> Draft:
+    def propose_row(self, row: DraftRow) -> Draft:
         return Draft([], "none")
 
-    def observe(self, req_id: str, accepted_ids: list[int], num_accepted: int) -> None:
-        pass
-
-    def end(self, req_id: str) -> None:
+    def end(self, req_id: str, output_ids: list[int] | None = None) -> None:
         pass
 
     def __repr__(self) -> str:

@@ -12,7 +12,7 @@ import json
 import struct
 import threading
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
@@ -166,13 +166,22 @@ def decode_snapshot(data: bytes, kind: str) -> Snapshot:
 
 
 class SnapshotMixin:
-    """Snapshot/restore for a bounded cache of whole sequences (SuffixCache, NGramTable).
+    """The bounded sequence log of a model-free cache (SuffixCache, NGramTable): adding,
+    write-through, eviction, snapshot/restore.
 
-    The host class has `SNAPSHOT_KIND`, `CONFIG` (its config dataclass, with
-    `max_sequences`, `max_tokens` and `tag_scoped`) and `add_sequence(tokens, tag)`, and calls
-    `_init_sequences(config)` from `__init__` for the shared state.
-    A snapshot is the sequences in FIFO order: restoring replays them, so the rebuilt
-    structure (counts, eviction order) equals the one snapshotted.
+    The host class has `SNAPSHOT_KIND`, `CONFIG` (its config dataclass, with `max_sequences`,
+    `max_tokens`, `tag_scoped` and `include_prompt`), `_insert(tokens, tag) -> handle` and
+    `_remove(seq)` over its own index, and calls `_init_sequences(config)` from `__init__`.
+
+    The log is a materialised view of the traffic stream: sequences in stream order, so two
+    replicas fed the same stream hold the same log (and snapshots). A serving replica also
+    *writes through* (SuffixDecoding as published): a request's output enters the index the
+    moment the request ends, as a pending entry keyed by its request id; when the stream
+    later delivers that request's trace, `confirm` moves the entry into the log at its stream
+    position without counting it again. Pending entries are never snapshotted, and are
+    bounded by `max_sequences` on their own (the oldest is dropped from the index).
+    A snapshot is the log in FIFO order: restoring replays it, so the rebuilt structure
+    (counts, eviction order) equals the one snapshotted.
     """
 
     SNAPSHOT_KIND: ClassVar[str]
@@ -185,11 +194,75 @@ class SnapshotMixin:
         # The caller's stream position (partition -> next offset) that the contents include.
         self.stream_offsets = {}
         self._log = SequenceLog(config.max_sequences, config.max_tokens)
+        self._pending: OrderedDict[str, LoggedSequence] = OrderedDict()  # write-through, not yet on the stream
         self._lock = threading.Lock()  # every read and every chunk of a write
+        self._write_lock = threading.Lock()  # one whole write (insert with its evictions) at a time
+
+    def _insert(self, tokens: tuple[int, ...], tag: str | None) -> int:
+        raise NotImplementedError
+
+    def _remove(self, seq: LoggedSequence) -> None:
+        raise NotImplementedError
 
     def _key(self, tag: str | None) -> str | None:
         """The global structure a tag reads and writes (one per tag when `tag_scoped`)."""
         return tag if self.config.tag_scoped else None
+
+    def cached_tokens(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
+        """What the cache keeps of a finished request: its output, or prompt + output with
+        config.include_prompt (one rule for the stream and for write-through)."""
+        return [*prompt_ids, *output_ids] if self.config.include_prompt else list(output_ids)
+
+    def add_sequence(self, tokens: Sequence[int], tag: str | None = None) -> None:
+        """Caches a finished sequence from the stream, evicting the oldest past the bounds."""
+        toks = self._log.clip(intern_tokens(tokens))
+        if not toks:
+            return
+        with self._write_lock:
+            handle = self._insert(toks, tag)
+            with self._lock:
+                evicted = self._log.push(LoggedSequence(toks, tag, handle))
+            for old in evicted:
+                self._remove(old)
+
+    def write_through(self, key: str, tokens: Sequence[int], tag: str | None = None) -> None:
+        """Caches the output of request `key`, which this replica just served, ahead of its
+        trace on the stream (`confirm` later puts it in stream order)."""
+        toks = self._log.clip(intern_tokens(tokens))
+        if not toks:
+            return
+        with self._write_lock:
+            handle = self._insert(toks, tag)
+            with self._lock:
+                dropped = [self._pending.pop(key)] if key in self._pending else []
+                self._pending[key] = LoggedSequence(toks, tag, handle)
+                while len(self._pending) > self._log.max_sequences:
+                    dropped.append(self._pending.popitem(last=False)[1])
+            for old in dropped:
+                self._remove(old)
+
+    def confirm(self, key: str, tokens: Sequence[int], tag: str | None = None) -> bool:
+        """The stream delivered the trace of request `key`. True when it was written through
+        with the same tokens and tag: it joins the log here, counted once. False otherwise
+        (the caller adds it; a stale pending entry with other contents is dropped)."""
+        with self._write_lock:
+            with self._lock:
+                seq = self._pending.pop(key, None)
+            if seq is None:
+                return False
+            if seq.tokens != self._log.clip(intern_tokens(tokens)) or seq.tag != tag:
+                self._remove(seq)
+                return False
+            with self._lock:
+                evicted = self._log.push(seq)
+            for old in evicted:
+                self._remove(old)
+            return True
+
+    @property
+    def num_pending(self) -> int:
+        """Written-through sequences whose trace the stream has not delivered yet."""
+        return len(self._pending)
 
     @property
     def num_sequences(self) -> int:

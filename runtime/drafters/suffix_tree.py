@@ -21,7 +21,6 @@ number of accepted tokens. The best score wins; ties go to the longer match.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -390,7 +389,7 @@ class SuffixConfig:
     coincidence never buys a long draft. min_token_prob 0.1: stop once the path probability
     (the estimated chance that every draft token so far is accepted) drops below 10%.
     max_sequences 10k finished outputs, FIFO; max_tokens optionally bounds their total length.
-    tag_scoped keeps one global tree per tag (tenant) instead of one shared tree.
+    tag_scoped (the default) keeps one global tree per tag (tenant) instead of one shared tree.
     """
 
     max_depth: int = 24
@@ -399,7 +398,8 @@ class SuffixConfig:
     min_token_prob: float = 0.1
     max_sequences: int = 10_000
     max_tokens: int | None = None
-    tag_scoped: bool = False  # one global tree per tag: a request drafts only from its tag's outputs
+    tag_scoped: bool = True  # one global tree per tag: a request drafts only from its tag's outputs
+    include_prompt: bool = False  # cache prompt + output of a request (default: its output, as SuffixDecoding)
 
     def __post_init__(self) -> None:
         if self.max_depth < 1:
@@ -445,32 +445,24 @@ class SuffixCache(SnapshotMixin):
         self._init_sequences(config or SuffixConfig())
         self._trees: dict[str | None, SuffixTree] = {}
         self._requests: dict[str, _Request] = {}
-        self._write_lock = threading.Lock()  # a whole add_sequence (with its evictions)
 
-    # -- global ---------------------------------------------------------------------------
+    # -- global (add_sequence / write_through / confirm: SnapshotMixin) -----------------------
 
-    def add_sequence(self, tokens: Sequence[int], tag: str | None = None) -> None:
-        """Caches a finished output, evicting the oldest sequences past the bounds."""
-        toks = self._log.clip(intern_tokens(tokens))
-        if not toks:
-            return
+    def _insert(self, toks: tuple[int, ...], tag: str | None) -> int:
         key = self._key(tag)
-        with self._write_lock:  # one writer at a time; readers only wait for one chunk
+        with self._lock:
+            tree = self._trees.get(key)
+            if tree is None:
+                tree = self._trees[key] = SuffixTree(self.config.max_depth)
+            uid = tree.open()
+        for i in range(0, len(toks), _CHUNK):  # readers wait for one chunk at most
             with self._lock:
-                tree = self._trees.get(key)
-                if tree is None:
-                    tree = self._trees[key] = SuffixTree(self.config.max_depth)
-                uid = tree.open()
-            for i in range(0, len(toks), _CHUNK):
-                with self._lock:
-                    tree.extend(uid, toks[i:i + _CHUNK])
-            with self._lock:
-                tree.close(uid, toks)
-                evicted = self._log.push(LoggedSequence(toks, tag, uid))
-            for old in evicted:
-                self._evict(old)
+                tree.extend(uid, toks[i:i + _CHUNK])
+        with self._lock:
+            tree.close(uid, toks)
+        return uid
 
-    def _evict(self, old: LoggedSequence) -> None:
+    def _remove(self, old: LoggedSequence) -> None:
         key = self._key(old.tag)
         tree, n = self._trees[key], len(old.tokens)
         for s in range(0, n, _CHUNK):

@@ -1,0 +1,114 @@
+"""The eagle half of bench/bench_adaptation.py: frozen vs online-adapted EAGLE-3 head, and the offline
+reference, on the same traffic. Every replay runs the engine loop against the logged outputs with the
+target's features from one teacher-forced pass per request (computed once for the whole stream)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from bench.traffic import Request, chat_ids, prompt_pool
+from online.config import TrainerConfig
+from online.replay import replay_traces
+from online.trainer.eagle import distill_eagle
+from online.trainer.round import ReplayMetrics, decide, target_passes
+from online.trainer.warmstart import answer_prompts, warm_start
+from runtime.adaptive import DraftLengthConfig
+from runtime.drafters.eagle import EagleConfig
+from runtime.drafters.factory import load_feature_drafter
+from runtime.stats import RequestStats
+from runtime.trace import RequestTrace
+
+log = logging.getLogger("bench_adaptation")
+
+
+def as_trace(i: int, r: Request) -> RequestTrace:
+    return RequestTrace(request_id=f"req-{i}", prompt_ids=r.prompt_ids, output_ids=r.output_ids, steps=[],
+                        target_model="target", drafter_version="-", max_new_tokens=r.max_new_tokens,
+                        finish_reason=r.finish_reason, tag=r.tag)
+
+
+def initial_head(args, target, cache: Path) -> Path:
+    """An EAGLE-3 head warm-started on general explanations (none of the benchmark's domains), cached."""
+    out = cache / f"eagle-topics-{args.init_requests}r-{args.init_minutes:g}min"
+    if (out / "config.json").is_file():
+        return out
+    prompts = [chat_ids(target, p) for p in prompt_pool("topics", args.init_requests + 16, seed=7)]
+    traces = answer_prompts(target, prompts, args.max_new_tokens)
+    cfg = TrainerConfig(steps=1_000_000, max_seconds=args.init_minutes * 60, batch_size=8, lr=1e-3, ce_weight=0.2,
+                        warmup_steps=20)
+    res = warm_start(target, traces[:-16], traces[-16:], out, cfg, eval_every=0, version="initial")
+    log.info("initial head: %d topics requests, %.0fs of training, held-out MAL %.3f", res.train_traces,
+             res.train_seconds, res.curve[-1].heldout_mean_acceptance_length if res.curve else float("nan"))
+    return out
+
+
+def per_request(traces: list[RequestTrace]) -> list[RequestStats]:
+    out = []
+    for t in traces:
+        st = RequestStats(prompt_tokens=len(t.prompt_ids), output_tokens=len(t.output_ids))
+        for s in t.steps:
+            st.record_step(len(s.drafted), s.accepted)
+        out.append(st)
+    return out
+
+
+def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
+    init_dir = Path(args.drafter) if args.drafter else initial_head(args, target, out.parent)
+    logged = [as_trace(i, r) for i, r in enumerate(traffic)]
+    t0 = time.perf_counter()
+    passes = target_passes(target, EagleConfig.read(init_dir).aux_layers, logged)
+    log.info("target features for %d requests in %.0fs", len(logged), time.perf_counter() - t0)
+    length = DraftLengthConfig(k=args.k)
+
+    def replay(path: Path, traces: list[RequestTrace], version: str):
+        rep = replay_traces(traces, load_feature_drafter(path, target, version=version), length=length,
+                            vocab_size=target.vocab_size, features=lambda t: passes[t.request_id].features,
+                            keep_traces=True)
+        return rep
+
+    frozen = per_request(replay(init_dir, logged, "initial").traces)
+    cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
+                        promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2)
+    champion_dir, version = init_dir, "initial"
+    served: list[RequestTrace] = []
+    adapted: list[RequestStats] = []
+    rounds, t_train, total_steps = [], 0.0, 0
+    for r0 in range(0, len(logged), args.every):
+        block = replay(champion_dir, logged[r0 : r0 + args.every], version).traces
+        served += block
+        adapted += per_request(block)
+        if r0 + args.every >= len(logged):
+            break
+        window = served[-args.window :]
+        n_hold = max(1, round(len(window) * args.holdout))
+        train, hold = window[:-n_hold], [logged[int(t.request_id[4:])] for t in window[-n_hold:]]
+        t0 = time.perf_counter()
+        cand_version = f"round{len(rounds) + 1}"
+        res = distill_eagle(champion_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)
+        total_steps += res.steps
+        c = ReplayMetrics.from_report(replay(work / cand_version, hold, cand_version))
+        h = ReplayMetrics.from_report(replay(champion_dir, hold, version))
+        promoted, reason = decide(c, h, cfg.promote_margin)
+        seconds = time.perf_counter() - t0
+        t_train += seconds
+        rounds.append({"after_request": r0 + len(block), "candidate": cand_version, "promoted": promoted,
+                       "candidate_mal": round(c.mean_acceptance_length, 3),
+                       "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
+                       "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
+        log.info("round %d after %d requests: %s (%.0fs)", len(rounds), r0 + len(block), reason, seconds)
+        if promoted:
+            if champion_dir != init_dir:
+                shutil.rmtree(champion_dir, ignore_errors=True)
+            champion_dir, version = work / cand_version, cand_version
+        else:
+            shutil.rmtree(work / cand_version, ignore_errors=True)
+    # the reference: the same head distilled offline on the whole stream, as many steps as all rounds
+    offline_cfg = TrainerConfig(steps=max(total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
+                                seed=args.seed, warmup_steps=2)
+    distill_eagle(init_dir, logged, work / "offline", offline_cfg, target, passes=passes, version="offline")
+    offline = per_request(replay(work / "offline", logged, "offline").traces)
+    return frozen, adapted, rounds, t_train, {"offline": offline, "init": str(init_dir),
+                                              "offline_steps": offline_cfg.steps}

@@ -1,0 +1,392 @@
+"""Training EAGLE-3 heads (runtime/drafters/eagle.py): initialisation from the target, the draft
+vocabulary, and distillation with EAGLE-3's training-time test.
+
+Per trace, one teacher-forced target pass (online/trainer/features.py) gives the
+fused features and the target's final hidden state at every position. Row t pairs
+features t with the embedding of token t+1 and predicts token t+2; its target is the
+target's next-token distribution at position t+1, restricted to the draft vocabulary
+and renormalised (speculators / EAGLE-3). Training-time test: the head is unrolled
+`ttt_steps` times on its own outputs — step j at row t reads the token at t+j+1 and
+the head's step j-1 output at t, attends to the step-0 keys at positions <= t plus
+its own keys of steps 1..j at t (the diagonal), and predicts token t+j+2 — so it
+learns to draft from its own states as it does when chaining.
+
+Loss at each (step, row): forward KL(p_target || q_head) over the draft vocabulary
+plus `ce_weight` x cross-entropy on the target's token, weighted per target
+position: 1 on output positions (the drafter is asked for output tokens),
+`prompt_weight` on prompt positions, `1 + rejected_weight` where the served draft
+was rejected (OSD: learn most where the drafter failed); rows whose target token
+lies outside the draft vocabulary are left out (EAGLE-3), step j scaled by
+`ttt_decay ** j`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from online.config import TrainerConfig
+from online.trainer.distill import DistillResult, NotEnoughData, TrainingError, check_config
+from online.trainer.features import FeatureExtractor, TargetPass
+from runtime.drafters.eagle import EagleConfig, EagleHead
+from runtime.llama import Rotary, Shape, rotate
+from runtime.loader import DRAFTER_META, LoadedModel, read_drafter_meta
+from runtime.target import default_feature_layers
+from runtime.trace import RequestTrace
+
+log = logging.getLogger(__name__)
+
+
+def layer_config(target: LoadedModel) -> dict[str, Any]:
+    """The target's Llama config as an Eagle3 transformer_layer_config (one layer, untied)."""
+    d = target.model.config.to_dict()
+    keep = ("attention_bias", "attention_dropout", "bos_token_id", "eos_token_id", "head_dim", "hidden_act",
+            "hidden_size", "initializer_range", "intermediate_size", "max_position_embeddings", "mlp_bias",
+            "model_type", "num_attention_heads", "num_key_value_heads", "pad_token_id", "pretraining_tp",
+            "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "vocab_size")
+    layer = {k: d[k] for k in keep if k in d}
+    layer.update(num_hidden_layers=1, tie_word_embeddings=False, use_cache=True)
+    layer.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    return layer
+
+
+def choose_draft_vocab(target: LoadedModel, size: int, sequences: Sequence[Sequence[int]] = ()) -> list[int]:
+    """The `size` most frequent target tokens of `sequences` (ties to the smaller id), the
+    target's EOS and special tokens always in; topped up with the lowest unused ids (for BPE
+    vocabularies the earliest merges, roughly the most frequent tokens). Sorted."""
+    vocab = target.vocab_size
+    if not 1 <= size <= vocab:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab}], got {size}")
+    special = set(target.eos_ids)
+    if target.tokenizer is not None:
+        special |= {i for i in target.tokenizer.all_special_ids if i is not None and 0 <= i < vocab}
+    counts = Counter(t for s in sequences for t in s if 0 <= t < vocab)
+    chosen = set(sorted(special)[:size])
+    for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= size:
+            break
+        chosen.add(tok)
+    fill = 0
+    while len(chosen) < size:
+        chosen.add(fill)
+        fill += 1
+    return sorted(chosen)
+
+
+def init_head(target: LoadedModel, draft_ids: Sequence[int], *, aux_layers: Sequence[int] | None = None,
+              norm_before_residual: bool = False, seed: int = 0) -> EagleHead:
+    """A new head for `target`, initialised as EAGLE-3 heads are from their target: the decoder
+    layer from the target's last layer where shapes match (the fused-hidden half of q/k/v, o,
+    MLP, norms; the embedding half of q/k/v small and random), `fc` reading the highest
+    feature layer, the final norm and the draft head's rows from the target's."""
+    tc = target.model.config
+    layers = int(tc.num_hidden_layers)
+    aux = sorted(aux_layers if aux_layers is not None else default_feature_layers(layers))
+    if len(set(aux)) != 3 or not all(0 <= i < layers for i in aux):
+        raise TrainingError(f"an Eagle3 head fuses 3 distinct target layers in [0, {layers}), got {aux}")
+    cfg = EagleConfig(layer=layer_config(target), draft_vocab_size=len(set(draft_ids)), aux_layers=aux,
+                      norm_before_residual=norm_before_residual, verifier=target.model_id,
+                      verifier_architectures=list(getattr(tc, "architectures", None) or ["LlamaForCausalLM"]))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(cfg)
+    head.set_vocab(draft_ids)
+    last = target.model.model.layers[-1]
+    d = cfg.hidden_size
+    layer = head.layers[0]
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            mine, theirs = getattr(layer.self_attn, name), getattr(last.self_attn, name)
+            mine.weight.normal_(0.0, float(getattr(tc, "initializer_range", 0.02)))
+            mine.weight[:, d:] = theirs.weight
+            if mine.bias is not None and theirs.bias is not None:
+                mine.bias.copy_(theirs.bias)
+        layer.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
+        layer.mlp.load_state_dict(last.mlp.state_dict())
+        layer.input_layernorm.weight.copy_(last.input_layernorm.weight)
+        layer.hidden_norm.weight.copy_(last.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+        head.fc.weight.zero_()
+        head.fc.weight[:, (len(aux) - 1) * d :] = torch.eye(d)  # start from the highest layer's stream
+        head.norm.weight.copy_(target.model.model.norm.weight)
+        head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[head.draft_ids])
+    return head.to(target.model.dtype)
+
+
+def save_head(head: EagleHead, out_dir: Path, meta: dict[str, Any]) -> Path:
+    """Writes an Eagle3 drafter directory (speculators layout + livedraft_drafter.json)."""
+    head.save(out_dir)
+    (out_dir / DRAFTER_META).write_text(json.dumps({"kind": "eagle", **meta}))
+    return out_dir
+
+
+# -- training data ---------------------------------------------------------------------------
+
+
+@dataclass
+class EagleExample:
+    """One trace as training rows (position s of prompt + output = row s)."""
+
+    ids: list[int]
+    features: torch.Tensor  # [N, 3d]
+    hidden: torch.Tensor  # [N, d] target final hidden
+    weights: torch.Tensor  # [N] weight of the target's prediction at position s (of token s + 1)
+
+
+def position_weights(trace: RequestTrace, cfg: TrainerConfig) -> torch.Tensor:
+    """Weights over prompt + output positions s (the target predicting token s + 1)."""
+    p, n = len(trace.prompt_ids), len(trace.prompt_ids) + len(trace.output_ids)
+    w = torch.zeros(n)
+    w[: max(p - 1, 0)] = cfg.prompt_weight
+    w[max(p - 1, 0) : n - 1] = 1.0  # predicting the output tokens
+    if cfg.rejected_weight:
+        for s in trace.steps:
+            o = s.pos + s.accepted  # output index of the token the target chose over the draft
+            if s.accepted < len(s.drafted) and 0 <= o < len(trace.output_ids):
+                w[p + o - 1] += cfg.rejected_weight
+    return w
+
+
+def make_examples(traces: Sequence[RequestTrace], passes: Sequence[TargetPass], cfg: TrainerConfig) -> list[EagleExample]:
+    return [EagleExample(list(t.prompt_ids) + list(t.output_ids), tp.features, tp.hidden, position_weights(t, cfg))
+            for t, tp in zip(traces, passes, strict=True)]
+
+
+# -- the loss -------------------------------------------------------------------------------
+
+
+class TTTLoss:
+    """EAGLE-3's unrolled training loss for one head (see the module docstring)."""
+
+    def __init__(self, head: EagleHead, embed: torch.Tensor, target_head: torch.Tensor, cfg: TrainerConfig) -> None:
+        self.head, self.cfg = head, cfg
+        self.embed = embed.detach()
+        self.target_rows = target_head.detach()[head.draft_ids]  # [V_draft, d]
+        index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+        index[head.draft_ids] = torch.arange(len(head.draft_ids))
+        self.draft_index = index  # target id -> draft row, -1 outside the draft vocabulary
+        rot = head.rotary_emb
+        self.rotary = Rotary(rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)), embed.dtype)
+        self.shape = Shape.of(head.config.llama)
+
+    def __call__(self, batch: list[EagleExample]) -> tuple[torch.Tensor, dict[str, float]]:
+        n = max(len(e.ids) for e in batch)
+        b, t = len(batch), n - 1
+        ids = torch.zeros((b, n + 1), dtype=torch.long)  # one spare column: labels run to n
+        feats = torch.zeros((b, t, batch[0].features.shape[-1]), dtype=self.embed.dtype)
+        hidden = torch.zeros((b, t, batch[0].hidden.shape[-1]), dtype=self.embed.dtype)
+        weights = torch.zeros((b, t))
+        for i, e in enumerate(batch):
+            m = len(e.ids)
+            ids[i, :m] = torch.tensor(e.ids)
+            feats[i, : m - 1] = e.features[:-1]
+            hidden[i, : m - 1] = e.hidden[1:]  # row t's target: the distribution at position t + 1
+            weights[i, : m - 1] = e.weights[1:]
+        with torch.no_grad():
+            target_lp = torch.log_softmax((hidden @ self.target_rows.T).float(), dim=-1)  # [B, T, V_draft]
+        emb = self.embed[ids]  # [B, N + 1, d]
+        h = self.head.fuse(feats)  # [B, T, d]
+        total, parts = 0.0, {}
+        keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for j in range(min(self.cfg.ttt_steps, t)):
+            tj = t - j
+            h, logits = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys)  # [B, Tj, d], [B, Tj, Vd]
+            labels = self.draft_index[ids[:, j + 2 : j + 2 + tj]]  # draft row of token t + j + 2
+            w = weights[:, j : j + tj] * (labels >= 0)
+            lq = torch.log_softmax(logits.float(), dim=-1)
+            tl = target_lp[:, j : j + tj]
+            kl = (tl.exp() * (tl - lq)).sum(-1)  # forward KL over the draft vocabulary
+            ce = -lq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+            loss_j = (w * (kl + self.cfg.ce_weight * ce)).sum() / w.sum().clamp_min(1.0)
+            total = total + (self.cfg.ttt_decay ** j) * loss_j
+            parts[f"step{j}"] = float(loss_j.detach())
+        return total, parts
+
+    def _step(self, emb: torch.Tensor, h_in: torch.Tensor, j: int,
+              keys: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        head, s = self.head, self.shape
+        layer = head.layers[0]
+        b, tj = emb.shape[0], emb.shape[1]
+        hn = layer.hidden_norm(h_in)
+        residual = hn if head.config.norm_before_residual else h_in
+        x = torch.cat([layer.input_layernorm(emb), hn], dim=-1)
+        a = layer.self_attn
+        pos = torch.arange(tj)[None].expand(b, tj) + j  # row t at step j sits at position t + j
+        cos, sin = self.rotary(pos, tj + j)
+        q = rotate(a.q_proj(x).view(b, tj, s.heads, s.head_dim).transpose(1, 2), cos, sin)
+        k = rotate(a.k_proj(x).view(b, tj, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+        v = a.v_proj(x).view(b, tj, s.kv_heads, s.head_dim).transpose(1, 2)
+        if j == 0:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale,
+                                                 enable_gqa=s.kv_heads != s.heads)
+        else:
+            att = _ttt_attention(q, keys, k, v, s)
+        keys.append((k, v))
+        x = residual + a.o_proj(att.transpose(1, 2).reshape(b, tj, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = head.norm(x) if head.config.norm_output else x
+        logits = head.lm_head(out if head.config.norm_output else head.norm(x))
+        return out, logits
+
+
+def _ttt_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor,
+                   v: torch.Tensor, s: Shape) -> torch.Tensor:
+    """Step j >= 1: row t attends to step-0 keys at positions <= t and to its own keys of steps
+    1..j (the diagonal). q [B, H, Tj, d]; keys[i] = step i's (k, v) [B, KV, T - i, d]."""
+    tj, rep = q.shape[2], s.heads // s.kv_heads
+    k0, v0 = (x[:, :, :tj].repeat_interleave(rep, dim=1) for x in keys[0])
+    scores = (q @ k0.transpose(-1, -2)) * s.scale  # [B, H, Tj, Tj]
+    causal = torch.ones(tj, tj, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag_k = [ki[:, :, :tj].repeat_interleave(rep, dim=1) for ki, _ in keys[1:]] + [k.repeat_interleave(rep, dim=1)]
+    diag_v = [vi[:, :, :tj].repeat_interleave(rep, dim=1) for _, vi in keys[1:]] + [v.repeat_interleave(rep, dim=1)]
+    diag = torch.stack([(q * dk).sum(-1) for dk in diag_k], dim=-1) * s.scale  # [B, H, Tj, j]
+    p = torch.softmax(torch.cat([scores, diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :tj] @ v0  # [B, H, Tj, d]
+    for i, dv in enumerate(diag_v):
+        out = out + p[..., tj + i, None] * dv
+    return out
+
+
+# -- the training loop -------------------------------------------------------------------------
+
+
+@dataclass
+class TrainStats:
+    losses: list[float]
+    seconds: float
+    steps: int
+    examples: int
+
+
+def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tensor, target_head: torch.Tensor,
+               cfg: TrainerConfig, *, on_step: Callable[[int, float], float | None] | None = None) -> TrainStats:
+    """Trains `head` in place for cfg.steps optimizer steps (or cfg.max_seconds of training),
+    batches of cfg.batch_size examples in seeded shuffled epochs. `on_step(step, loss)` runs after
+    each step and may return seconds it spent on something else (an evaluation): they count
+    neither against max_seconds nor in the returned training time."""
+    loss_fn = TTTLoss(head, embed, target_head, cfg)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(cfg.steps, cfg.warmup_steps))
+    head.train()
+    losses, t0, paused = [], time.perf_counter(), 0.0
+    batches = _batches(examples, cfg.batch_size, cfg.seed)
+    for step in range(cfg.steps):
+        loss, parts = loss_fn(next(batches))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            paused += on_step(step, losses[-1]) or 0.0
+        if step % 20 == 0:
+            log.info("eagle step %d/%d: loss %.4f %s", step, cfg.steps, losses[-1],
+                     " ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+        if cfg.max_seconds and time.perf_counter() - t0 - paused >= cfg.max_seconds:
+            log.info("eagle training stopped at the %.0fs budget after %d steps", cfg.max_seconds, step + 1)
+            break
+    head.eval()
+    return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples))
+
+
+def _warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
+    def f(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warmup) / max(1, steps - warmup)))) * 0.9 + 0.1
+    return f
+
+
+def _batches(examples: list[EagleExample], size: int, seed: int) -> Iterator[list[EagleExample]]:
+    """Endless seeded epochs; each batch holds examples of similar length (less padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(len(examples), generator=gen).tolist()
+        chunks = [perm[i : i + size * 8] for i in range(0, len(perm), size * 8)]
+        batches = []
+        for c in chunks:
+            c.sort(key=lambda i: len(examples[i].ids))
+            batches += [c[i : i + size] for i in range(0, len(c), size)]
+        for i in torch.randperm(len(batches), generator=gen).tolist():
+            yield [examples[k] for k in batches[i]]
+
+
+def extractor_for(target: LoadedModel, head: EagleHead) -> FeatureExtractor:
+    return FeatureExtractor(target, head.config.aux_layers)
+
+
+# -- one distillation run (a trainer round's candidate) -----------------------------------------
+
+
+def usable(traces: Sequence[RequestTrace], target: LoadedModel) -> tuple[list[RequestTrace], int]:
+    """Traces a head can learn from on this target (non-empty, in its vocabulary and context)."""
+    vocab, ctx = target.vocab_size, target.max_context
+    ok = [t for t in traces if t.prompt_ids and t.output_ids and len(t.prompt_ids) + len(t.output_ids) <= ctx
+          and all(0 <= i < vocab for i in (*t.prompt_ids, *t.output_ids))]
+    return ok, len(traces) - len(ok)
+
+
+def distill_eagle(
+    drafter_dir: str | Path,
+    traces: Sequence[RequestTrace],
+    out_dir: str | Path,
+    cfg: TrainerConfig,
+    target: LoadedModel,
+    *,
+    passes: dict[str, TargetPass] | None = None,
+    version: str | None = None,
+    provenance: dict[str, Any] | None = None,
+) -> DistillResult:
+    """Trains a copy of the Eagle3 head at `drafter_dir` on `traces` (features recomputed by
+    the target, or taken from `passes` by request id); writes the candidate to `out_dir`.
+    Blocks for the run. Raises NotEnoughData, TrainingError, ModelLoadError, FileExistsError."""
+    check_config(cfg)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"candidate directory {out} is not empty: give a new or empty directory")
+    head = EagleHead.load(drafter_dir, dtype=target.model.dtype, device=target.model.device)
+    ok, skipped = usable(traces, target)
+    if not ok:
+        raise NotEnoughData(f"none of the {len(traces)} traces is usable for training an Eagle3 head on "
+                            f"{target.model_id}: collect traffic from this target first")
+    passes = dict(passes or {})
+    todo = [t for t in ok if t.request_id not in passes]
+    if todo:
+        passes.update(zip((t.request_id for t in todo), FeatureExtractor(target, head.config.aux_layers)(todo),
+                          strict=True))
+    examples = make_examples(ok, [passes[t.request_id] for t in ok], cfg)
+    parent = read_drafter_meta(Path(drafter_dir))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        stats = train_head(head, examples, target.model.get_input_embeddings().weight,
+                           target.model.get_output_embeddings().weight, cfg)
+    parent_version = str(parent.get("version") or Path(drafter_dir).name)
+    version = version or f"cand-{int(time.time())}"
+    training = {"kind": "eagle", "steps_done": stats.steps, "seconds": round(stats.seconds, 3),
+                "traces": len(ok), "created_at": time.time(),
+                **{k: getattr(cfg, k) for k in ("lr", "batch_size", "ttt_steps", "ttt_decay", "ce_weight",
+                                                "prompt_weight", "rejected_weight", "seed")}}
+    meta = {**(provenance or {}), "version": version, "parent_version": parent_version, "training": training}
+    tmp = out.parent / f".{out.name}-tmp"
+    save_head(head, tmp, meta)
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    log.info("distilled eagle %s from %s: %d steps in %.1fs, loss %.4f -> %.4f, %d traces", version,
+             parent_version, stats.steps, stats.seconds, stats.losses[0], stats.losses[-1], len(ok))
+    return DistillResult(out, version, parent_version, stats.losses, [], [], stats.steps, stats.seconds, len(ok),
+                         skipped, 0, sum(len(t.output_ids) for t in ok))

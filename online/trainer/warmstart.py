@@ -1,0 +1,163 @@
+"""Offline warm start of an EAGLE-3 head: the target answers prompts (or the log supplies traces),
+features are recomputed, the head is trained, and held-out acceptance is measured as it trains.
+
+What `livedraft drafter train` and bench/train_eagle.py run. Held-out mean acceptance
+length is exact teacher-forced replay (greedy traces) at draft length k, with the
+features of the same teacher-forced target pass serving would have computed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from online.config import TrainerConfig
+from online.replay import replay_traces
+from online.trainer.distill import NotEnoughData
+from online.trainer.eagle import (
+    choose_draft_vocab,
+    init_head,
+    make_examples,
+    save_head,
+    train_head,
+    usable,
+)
+from online.trainer.features import FeatureExtractor, TargetPass
+from runtime.adaptive import DraftLengthConfig
+from runtime.drafters.eagle import EagleHead, FeatureDrafter, check_head_matches_target
+from runtime.drafters.none import NoDrafter
+from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.loader import LoadedModel
+from runtime.trace import RequestTrace
+
+log = logging.getLogger(__name__)
+
+
+def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, batch: int = 16,
+                   progress: Callable[[int], None] | None = None) -> list[RequestTrace]:
+    """The target's greedy answers (traces as serving logs them), `batch` requests decoded together."""
+    engine = SpeculativeEngine.for_model(target, NoDrafter(), EngineConfig(max_batch=batch, topk_logprobs=0))
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    out: list[RequestTrace] = []
+    for i in range(0, len(prompts), batch * 4):
+        chunk = prompts[i : i + batch * 4]
+        out += [r.trace for r in engine.generate_batch(list(chunk), params)]
+        if progress is not None:
+            progress(len(chunk))
+    return out
+
+
+@dataclass
+class CurvePoint:
+    step: int
+    train_seconds: float
+    heldout_mean_acceptance_length: float
+    heldout_first_token_acceptance: float
+    loss: float
+
+
+@dataclass
+class WarmStartResult:
+    out_dir: Path
+    train_traces: int
+    heldout_traces: int
+    feature_seconds: float
+    train_seconds: float
+    steps: int
+    curve: list[CurvePoint] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        return d
+
+
+def heldout_acceptance(head: EagleHead, target: LoadedModel, heldout: Sequence[RequestTrace],
+                       passes: dict[str, TargetPass], k: int) -> tuple[float, float]:
+    """(mean acceptance length, first-token acceptance) of `head` replayed on greedy `heldout` at k."""
+    drafter = FeatureDrafter(head, target.model.get_input_embeddings().weight, target.vocab_size, "eval")
+    rep = replay_traces(heldout, drafter, length=DraftLengthConfig(k=k), vocab_size=target.vocab_size,
+                        features=lambda t: passes[t.request_id].features)
+    s = rep.stats
+    return s.mean_acceptance_length, (s.per_position_acceptance[0] if s.per_position_acceptance else 0.0)
+
+
+def warm_start(
+    target: LoadedModel,
+    train: Sequence[RequestTrace],
+    heldout: Sequence[RequestTrace],
+    out_dir: str | Path,
+    cfg: TrainerConfig,
+    *,
+    init_dir: str | Path | None = None,
+    k: int = 4,
+    eval_every: int = 100,
+    version: str | None = None,
+    on_progress: Callable[[str, dict], None] | None = None,
+) -> WarmStartResult:
+    """Trains a head for `target` on `train` (a new head whose draft vocabulary is the training
+    outputs' most frequent tokens, or the one at `init_dir`), measuring held-out acceptance every
+    `eval_every` steps; writes the head to `out_dir` with its curve (warm_start.json).
+    `on_progress(event, data)` receives "features", "step" and "eval" events."""
+    train, skipped = usable(train, target)
+    heldout = [t for t in usable(heldout, target)[0] if t.greedy]
+    if not train:
+        raise NotEnoughData(f"no usable training traces ({skipped} skipped): give prompts or traffic for this target")
+    if init_dir is not None:
+        head = EagleHead.load(init_dir, dtype=target.model.dtype, device=target.model.device)
+        check_head_matches_target(head.config, target.model.config, str(init_dir))
+    else:
+        vocab = choose_draft_vocab(target, min(cfg.draft_vocab, target.vocab_size), [t.output_ids for t in train])
+        head = init_head(target, vocab, seed=cfg.seed)
+    notify = on_progress or (lambda event, data: None)
+    t0 = time.perf_counter()
+    extractor = FeatureExtractor(target, head.config.aux_layers)
+    passes: dict[str, TargetPass] = {}
+    for i in range(0, len(train) + len(heldout), 64):
+        chunk = (list(train) + list(heldout))[i : i + 64]
+        passes.update(zip((t.request_id for t in chunk), extractor(chunk), strict=True))
+        notify("features", {"done": len(passes), "total": len(train) + len(heldout)})
+    feature_s = time.perf_counter() - t0
+    examples = make_examples(train, [passes[t.request_id] for t in train], cfg)
+    embed, lm = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
+    result = WarmStartResult(Path(out_dir), len(train), len(heldout), feature_s, 0.0, 0)
+
+    def evaluate(step: int, loss: float, seconds: float) -> None:
+        if not heldout:
+            return
+        mal, first = heldout_acceptance(head, target, heldout, passes, k)
+        head.train()
+        point = CurvePoint(step, round(seconds, 1), round(mal, 4), round(first, 4), round(loss, 4))
+        result.curve.append(point)
+        notify("eval", asdict(point))
+
+    evaluate(0, float("nan"), 0.0)
+    train_t0 = time.perf_counter()
+    eval_s = 0.0
+
+    def on_step(step: int, loss: float) -> float:
+        nonlocal eval_s
+        notify("step", {"step": step + 1, "loss": loss})
+        if not (eval_every and (step + 1) % eval_every == 0):
+            return 0.0
+        e0 = time.perf_counter()
+        evaluate(step + 1, loss, e0 - train_t0 - eval_s)
+        eval_s += time.perf_counter() - e0
+        return time.perf_counter() - e0
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        stats = train_head(head, examples, embed, lm, cfg, on_step=on_step)
+    result.train_seconds, result.steps = stats.seconds, stats.steps
+    if not result.curve or result.curve[-1].step != stats.steps:
+        evaluate(stats.steps, stats.losses[-1], result.train_seconds)
+    meta = {"version": version or Path(out_dir).name, "warm_start": {**result.to_dict(), "trainer": asdict(cfg)}}
+    save_head(head, Path(out_dir), meta)
+    (Path(out_dir) / "warm_start.json").write_text(json.dumps(result.to_dict(), indent=2))
+    return result

@@ -1,0 +1,113 @@
+"""Adaptive draft length maximises expected tokens per second: it turns a drafter that does not pay
+off (k = 0, with probes) and back on when it starts paying, and shrinks k as verifying gets dearer
+(wider batches)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.adaptive import (
+    AcceptanceCounts,
+    CostModel,
+    Curve,
+    DraftLengthConfig,
+    DraftLengthController,
+    choose_lengths,
+)
+from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
+from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from tests.serving_utils import hf_greedy
+
+
+def controller(accept: float, steps: int = 40, k: int = 6, **kw) -> DraftLengthController:
+    c = DraftLengthController(DraftLengthConfig(k=k, adaptive=True, **kw), AcceptanceCounts())
+    for i in range(steps):  # deterministic: position acceptance ~ accept
+        accepted = 0
+        while accepted < k and (i * 7 + accepted * 3) % 100 < accept * 100:
+            accepted += 1
+        c.update(k, accepted)
+    return c
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = Curve()
+    assert c(3) is None
+    c.record(2, 2.0)
+    assert c(4) == pytest.approx(4.0)  # one point, no prior: proportional
+    c.record(6, 4.0)
+    assert c(4) == pytest.approx(3.0) and c(10) == pytest.approx(6.0) and c(1) == pytest.approx(1.5)
+    c.record(2, 3.0)  # exponential moving average of repeated measurements
+    assert c(2) == pytest.approx(2.2)
+    prior = Curve(one_point_slope=0.1)
+    prior.record(1, 1.0)
+    assert prior(5) == pytest.approx(1.4)
+
+
+def test_a_useless_drafter_is_switched_off_and_probed():
+    costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.15)
+    bad = controller(0.0)
+    assert choose_lengths([bad], [50], ["v"], costs) == [0]
+    bad.since_draft = bad.config.probe_every - 1
+    assert choose_lengths([bad], [50], ["v"], costs) == [1]  # the probe
+    good = controller(0.9)
+    assert choose_lengths([good], [50], ["v"], costs) == [6]
+    assert choose_lengths([good], [3], ["v"], costs) == [3]  # never beyond what is still useful
+
+
+def test_k_shrinks_as_verification_gets_dearer():
+    good = [controller(0.75) for _ in range(8)]
+    cheap = CostModel.synthetic(draft_ratio=0.02, verify_slope=0.02)
+    dear = CostModel.synthetic(draft_ratio=0.02, verify_slope=0.5)
+    assert choose_lengths(good[:1], [50], ["v"], cheap)[0] > choose_lengths(good[:1], [50], ["v"], dear)[0]
+    # a GPU-like curve: flat up to 16 tokens per forward, linear beyond
+    gpu = CostModel()
+    for n in (1, 4, 8, 16):
+        gpu.record_verify(n, 1.0)
+    gpu.record_verify(64, 4.0)
+    alone = choose_lengths(good[:1], [50], ["v"], gpu)[0]
+    batched = choose_lengths(good, [50] * 8, ["v"] * 8, gpu)
+    assert alone == 6 and max(batched) < alone and len(set(batched)) == 1
+
+
+class Switching(RowwiseDrafter):
+    """Proposes the target's greedy continuation (good) or certainly rejected tokens (bad)."""
+
+    version = "switching"
+
+    def __init__(self, expected: dict[tuple, list[int]], vocab: int):
+        self.expected, self.vocab, self.good = expected, vocab, False
+        self.prompts: dict[str, tuple] = {}
+
+    def begin(self, req_id, prompt_ids, *, tag=None):
+        self.prompts[req_id] = tuple(prompt_ids)
+
+    def propose_row(self, row: DraftRow) -> Draft:
+        prompt = self.prompts[row.req_id]
+        done = len(row.context) - len(prompt)
+        truth = self.expected[prompt][done : done + row.max_tokens]
+        return Draft(truth if self.good else [(t + 1) % self.vocab for t in truth], "model")
+
+    def end(self, req_id, output_ids=None):
+        self.prompts.pop(req_id, None)
+
+
+def test_engine_turns_drafting_off_and_back_on(stories):
+    prompts = [stories.tokenizer(p).input_ids for p in ("Once upon a time", "The dog ran to", "Lily had a")]
+    expected = {tuple(p): hf_greedy(stories.model, p, 60) for p in prompts}
+    drafter = Switching(expected, stories.vocab_size)
+    engine = SpeculativeEngine.for_model(stories, drafter, EngineConfig(
+        draft=DraftLengthConfig(k=6, adaptive=True, probe_every=5), measure_costs=False))
+    engine.costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.15)  # deterministic costs
+
+    def run(prompt):
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=60))
+        assert res.output_ids == expected[tuple(prompt)]
+        return [len(s.drafted) for s in res.trace.steps]
+
+    bad = run(prompts[0]) + run(prompts[1])
+    off = [n for n in bad[10:]]  # after the first few steps have shown the drafter misses
+    assert off.count(0) >= 0.7 * len(off) and 1 in off  # switched off, probed now and then
+    assert max(off) == 1
+    drafter.good = True
+    good = run(prompts[2])
+    assert max(good) == 6 and sum(good[-5:]) >= 20  # noticed by a probe, drafting fully again

@@ -1,0 +1,179 @@
+"""The lean batched Llama forward (runtime/llama.py) computes what the Hugging Face forward computes:
+one row through prefill, decode and rollback; ragged batches row for row; EAGLE-3 features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from runtime.drafters.factory import load_model_drafter
+from runtime.drafters.model import ModelDrafter
+from runtime.kv import crop_to
+from runtime.llama import KVCache, Linear, LlamaRunner, unsupported_reason
+from runtime.target import HFTarget, LlamaTarget, default_feature_layers
+from tests.drafting import draft
+from tests.models import tiny_llama
+
+# (op, arg): feed a list of ids, or crop to a length — prefill, decode, rollback, multi-token refeed.
+SCRIPT = [("feed", [5, 9, 13, 2, 7, 40, 3]), ("feed", [11]), ("feed", [12, 14]), ("crop", 8),
+          ("feed", [30, 31, 32]), ("crop", 3), ("feed", [1]), ("feed", [60, 61, 62, 63, 64])]
+
+
+def hf_logits(model, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0]
+
+
+def run_both(model, row: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    runner, cache = LlamaRunner(model), DynamicCache(config=model.config)
+    kv, pairs = runner.new_cache(slots=row + 1, capacity=4), []
+    with torch.inference_mode():
+        for op, arg in SCRIPT:
+            if op == "crop":
+                kv.crop(row, arg)
+                crop_to(cache, arg)
+            else:
+                pairs.append((hf_logits(model, cache, arg), runner.forward(kv, [row], [arg]).logits[0]))
+    return pairs
+
+
+def test_matches_hf_forward_through_decode_and_rollback():
+    model = tiny_llama(vocab=96, layers=3, hidden=32)  # 4 query heads over 2 KV heads (GQA)
+    pairs = run_both(model, row=2)  # a row other than 0: slots are independent
+    assert len(pairs) == 6
+    for ref, got in pairs:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_matches_hf_forward_on_stories260k(stories):
+    for ref, got in run_both(stories.model):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+def test_ragged_batch_equals_each_row_alone():
+    model = tiny_llama(vocab=96, layers=2, hidden=32)
+    runner = LlamaRunner(model)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 11, 2)]
+    nxt = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (3, 1, 4)]
+    solo = []
+    with torch.inference_mode():
+        for p, x in zip(prompts, nxt, strict=True):
+            kv = runner.new_cache(1)
+            runner.forward(kv, [0], [p], logits="last")
+            solo.append(runner.forward(kv, [0], [x]).logits[0])
+        kv = runner.new_cache(3)
+        # rows out of order and prefilled together with different lengths
+        runner.forward(kv, [2, 0, 1], [prompts[2], prompts[0], prompts[1]], logits="last")
+        assert kv.lengths == [5, 11, 2]
+        both = runner.forward(kv, [0, 1, 2], nxt).logits  # [3, 4, V]
+    assert kv.lengths == [8, 12, 6]  # padding is never counted as cached
+    for b, ref in enumerate(solo):
+        torch.testing.assert_close(both[b, : len(nxt[b])], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_features_are_the_hidden_states_at_the_input_of_the_chosen_layers(stories):
+    layers = default_feature_layers(stories.model.config.num_hidden_layers)
+    assert layers == (0, 2, 4)  # stories260K has 5 layers: too few for EAGLE-3's (2, L/2, L-3)
+    assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2-135M
+    ids = stories.tokenizer("Once upon a time, there was a dog named").input_ids
+    with torch.inference_mode():
+        hf = stories.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        want = torch.cat([hf.hidden_states[i][0] for i in layers], dim=-1)
+        lean = LlamaTarget(stories.model)
+        lean.reset(0)
+        got = lean.forward([0], [ids[:4]], logits="last", features=True).features[0]
+        got = torch.cat([got, lean.forward([0], [ids[4:]], features=True).features[0]])
+        slow = HFTarget(stories.model)
+        slow.reset(0)
+        ref = slow.forward([0], [ids], features=True).features[0]
+    assert lean.feature_size == slow.feature_size == 3 * stories.model.config.hidden_size
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_grows_and_keeps_contents():
+    kv = KVCache(1, 1, 2, slots=1, capacity=2, dtype=torch.float32, device=torch.device("cpu"))
+    kv.k[0, 0, 0, :2] = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    kv.lengths[0] = 2
+    kv.reserve(5)
+    assert kv.capacity == 8
+    assert kv.k[0, 0, 0, :2].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    kv.add_slots(3)
+    assert kv.slots == 3 and kv.lengths == [2, 0, 0]
+    assert kv.k[0, 0, 0, :2].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    kv.crop(0, 1)
+    assert kv.lengths[0] == 1
+    kv.crop(0, 10)  # never extends
+    assert kv.lengths[0] == 1
+
+
+def test_long_sequence_past_initial_capacity():
+    model = tiny_llama(vocab=96, layers=2, hidden=32, ctx=1024)
+    runner = LlamaRunner(model)
+    kv = runner.new_cache(1)
+    ids = [int(i) for i in torch.randint(3, 96, (600,), generator=torch.Generator().manual_seed(1))]
+    with torch.inference_mode():
+        runner.forward(kv, [0], [ids[:300]], logits=None)
+        got = runner.forward(kv, [0], [ids[300:]], logits="last").logits[0]
+        ref = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_linear_packed_or_plain_equals_f_linear(pack):
+    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(3, 5, 24)
+    torch.testing.assert_close(Linear(w, b, pack=pack)(x), torch.nn.functional.linear(x, w, b),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_models_fall_back_to_hf_forward():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu")
+    model = LlamaForCausalLM(cfg).eval()
+    assert "gelu" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="gelu"):
+        LlamaRunner(model)
+    drafter = ModelDrafter(model, 64)
+    assert drafter.runner is None
+    drafter.begin("r", [1, 2, 3], tag=None)
+    assert len(draft(drafter, "r", [1, 2, 3], 3).tokens) == 3
+
+
+@pytest.mark.parametrize("vocab_trim", [False, True])
+def test_fast_drafter_drafts_what_the_hf_drafter_drafts(stories, stories_drafter_dir, vocab_trim):
+    prompt = stories.tokenizer("Once upon a time, there was a little girl named").input_ids
+    drafts = {}
+    for fast in (True, False):
+        base = load_model_drafter(stories_drafter_dir, stories)
+        kept = list(range(0, stories.vocab_size, 2)) + [stories.vocab_size - 1] if vocab_trim else None
+        d = ModelDrafter(base.model, stories.vocab_size, kept_ids=kept, fast=fast)
+        assert (d.runner is not None) == fast
+        d.begin("r", prompt, tag=None)
+        ctx, out = list(prompt), []
+        for step in range(6):
+            got = draft(d, "r", ctx, 4)
+            out.append((got.tokens, got.probs))
+            ctx = ctx + got.tokens[: step % 3] + [step + 7]  # partial acceptance, then a correction
+        drafts[fast] = out
+    for (ft, fp), (ht, hp) in zip(drafts[True], drafts[False], strict=True):
+        assert ft == ht
+        torch.testing.assert_close(fp, hp, rtol=1e-4, atol=1e-5)
+
+
+def test_model_drafter_batch_drafts_what_each_row_drafts_alone(stories, stories_drafter_dir):
+    prompts = [stories.tokenizer(p).input_ids for p in
+               ("Once upon a time", "Lily and Tom went to the park. Lily said,", "The bird")]
+    alone = []
+    for i, p in enumerate(prompts):
+        d = load_model_drafter(stories_drafter_dir, stories)
+        d.begin(f"r{i}", p, tag=None)
+        alone.append(draft(d, f"r{i}", p, 2 + i).tokens)
+    d = load_model_drafter(stories_drafter_dir, stories)
+    from runtime.drafters.base import DraftRow
+
+    for i, p in enumerate(prompts):
+        d.begin(f"r{i}", p, tag=None)
+    together = d.propose([DraftRow(f"r{i}", p, 2 + i) for i, p in enumerate(prompts)])
+    assert [x.tokens for x in together] == alone
