@@ -231,3 +231,54 @@ def test_a_round_of_hybrid_distillation_improves_held_out_acceptance(stories, sm
     assert res.promoted, res.reason
     assert res.candidate.mean_acceptance_length >= res.champion.mean_acceptance_length + 0.05
     assert json.loads((res.candidate_dir / DRAFTER_META).read_text())["kind"] == "crossvocab"
+
+
+def test_bridge_is_maintained_from_the_stream_and_replicas_converge(tokenizers_pair, tmp_path):
+    """The bridge is a materialised view of the trace stream like the suffix cache: the daemon's
+    maintainer snapshots it, a replica that served some requests (written through) and one that
+    only tailed end byte-identical, a replica starting from the snapshot (which holds no tokenizers)
+    rebuilds a working bridge, and tenants stay apart."""
+    from online.cache import CacheMaintainer, new_bridge
+    from online.config import CacheConfig
+    from online.stream.memory import MemoryStream
+    from runtime.trace import RequestTrace
+
+    t_tok, d_tok = tokenizers_pair
+    t = Codec(t_tok)
+    texts = [s + f" number {i % 7}" for i, s in enumerate(CORPUS[:40])]
+    ts = [RequestTrace(request_id=f"r{i}", prompt_ids=[1], output_ids=t.encode(s), steps=[], target_model="t",
+                       drafter_version="-", tag="a" if i % 4 else "b") for i, s in enumerate(texts)]
+
+    def fresh():
+        return new_bridge(CacheConfig(max_sequences=30), t_tok, d_tok)
+
+    stream = MemoryStream()
+    sink = stream.sink()
+    main = CacheMaintainer.resume(stream.source("bridge-main"), tmp_path / "snaps", fresh, snapshot_every_n=25)
+    serving = CacheMaintainer.resume(stream.source("bridge-serving"), tmp_path / "none1", fresh)
+    tailing = CacheMaintainer.resume(stream.source("bridge-tailing"), tmp_path / "none2", fresh)
+    for tr in ts[::5]:  # what this replica served: written through when the request ended
+        serving.cache.write_through(tr.request_id, tr.output_ids, tr.tag)
+    assert serving.cache.num_pending == len(ts[::5]) and serving.cache.mappings("a") > 0
+    def drain(m):
+        while m.cache.stream_offsets.get(0, 0) < len(stream):
+            m.step(timeout_s=0.5)
+
+    for tr in ts[:25]:
+        sink.emit(tr)
+    drain(main)  # snapshots at 25 traces
+    late = CacheMaintainer.resume(stream.source("bridge-late"), tmp_path / "snaps", fresh)
+    assert late.cache.ready and late.cache.stream_offsets == {0: 25} and late.cache.mappings("a") > 0
+    for tr in ts[25:]:
+        sink.emit(tr)
+    for m in (main, serving, tailing, late):
+        drain(m)
+    assert main.stats.snapshots == 1 and serving.stats.confirmed == len(ts[::5]) and serving.cache.num_pending == 0
+    assert serving.cache.snapshot() == tailing.cache.snapshot() == late.cache.snapshot() == main.cache.snapshot()
+    assert late.cache.mappings("a") == main.cache.mappings("a") > 5
+    # tenant scoping: b's bridge holds only b's traffic
+    only_b = fresh()
+    for tr in ts:
+        if tr.tag == "b":
+            only_b.add_sequence(tr.output_ids, "b")
+    assert main.cache.mappings("b") == only_b.mappings("b") < main.cache.mappings("a")

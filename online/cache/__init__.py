@@ -1,4 +1,4 @@
-"""Cache maintenance: the shared suffix-tree / n-gram caches kept in step with the trace stream,
+"""Cache maintenance: the shared suffix-tree / n-gram caches (and the cross-vocabulary bridge) kept in step with the trace stream,
 snapshotted to <data_dir>/cache/ so replicas start from a snapshot and tail the rest."""
 
 from online.cache.hybrid_source import HybridDrafterSource
@@ -6,6 +6,7 @@ from online.cache.maintainer import (
     CacheMaintainer,
     MaintainerStats,
     drafter_config,
+    new_bridge,
     new_cache,
     open_maintainer,
     open_replica_cache,
@@ -19,6 +20,6 @@ from online.cache.snapshots import (
 )
 
 __all__ = [
-    "CacheMaintainer", "HybridDrafterSource", "LoadedSnapshot", "drafter_config", "MaintainerStats", "load_latest_snapshot", "new_cache",
+    "CacheMaintainer", "HybridDrafterSource", "LoadedSnapshot", "drafter_config", "MaintainerStats", "load_latest_snapshot", "new_bridge", "new_cache",
     "open_maintainer", "open_replica_cache", "snapshot_dir", "snapshot_paths", "write_snapshot",
 ]

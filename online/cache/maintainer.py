@@ -36,6 +36,7 @@ from online.stream import EventSource, Record
 from runtime.drafters.factory import DrafterConfig
 from runtime.drafters.ngram import NGramConfig, NGramTable
 from runtime.drafters.suffix_tree import SuffixCache, SuffixConfig
+from runtime.drafters.vocab_bridge import BridgeConfig, VocabBridge
 
 if TYPE_CHECKING:
     from online.config import CacheConfig, Config
@@ -96,15 +97,16 @@ class CacheMaintainer:
         to the offsets it includes and returns a maintainer that tails from there. Without a
         readable snapshot it seeks partitions 0..partitions-1 to the start of the log (the
         group's committed offset only ever follows snapshots). A snapshot taken under another
-        cache config is re-added into `fresh()`'s config."""
+        cache config (or a VocabBridge, whose snapshot has no tokenizers) is re-added into `fresh()`."""
         want = fresh()
         loaded = load_latest_snapshot(snapshot_dir, cache_kind(want))
         cache = want
         if loaded is not None:
             cache = loaded.cache
-            if cache.config != want.config:
-                log.warning("snapshot %s was taken with %s; re-adding its sequences under %s",
-                            loaded.path, cache.config, want.config)
+            if cache.config != want.config or not cache.ready:
+                if cache.config != want.config:
+                    log.warning("snapshot %s was taken with %s; re-adding its sequences under %s",
+                                loaded.path, cache.config, want.config)
                 for seq in cache.sequences():
                     want.add_sequence(seq.tokens, seq.tag)
                 want.stream_offsets = dict(cache.stream_offsets)
@@ -225,17 +227,31 @@ def new_cache(cc: CacheConfig) -> Cache:
     raise ConfigError(f"cache.kind must be 'suffix' or 'ngram', got {cc.kind!r}")
 
 
+def new_bridge(cc: CacheConfig, target_tokenizer: object, drafter_tokenizer: object) -> VocabBridge:
+    """An empty cross-vocabulary n-gram cache (OmniDraft) with [cache]'s bounds and tenant scoping,
+    for a crossvocab drafter whose tokenizer is `drafter_tokenizer`. Maintain it like the suffix
+    cache: `open_maintainer(cfg, fresh=lambda: new_bridge(...))` in the daemon (its own consumer
+    group and `bridge-*.snap` snapshots), `open_replica_cache(cfg, fresh=...)` in each replica."""
+    return VocabBridge(BridgeConfig(max_sequences=cc.max_sequences, max_tokens=cc.max_tokens or None,
+                                    tag_scoped=cc.tag_scoped, include_prompt=cc.include_prompt),
+                       target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
+
+
 def snapshot_dir(cfg: Config) -> Path:
     return cfg.data_path / "cache"
 
 
-def open_maintainer(cfg: Config, source: EventSource | None = None) -> CacheMaintainer:
-    """The daemon's maintainer: consumer group cache.consumer_group, snapshots in <data_dir>/cache."""
+def open_maintainer(cfg: Config, source: EventSource | None = None, *,
+                    fresh: Callable[[], Cache] | None = None) -> CacheMaintainer:
+    """The daemon's maintainer: consumer group cache.consumer_group, snapshots in <data_dir>/cache.
+    `fresh`: another cache than [cache]'s (`new_bridge`), maintained under its own consumer group."""
     from online.stream import open_source
 
     cc = cfg.cache
-    src = source if source is not None else open_source(cfg, cc.consumer_group)
-    return CacheMaintainer.resume(src, snapshot_dir(cfg), lambda: new_cache(cc),
+    fresh = fresh or (lambda: new_cache(cc))
+    group = cc.consumer_group if not isinstance(fresh(), VocabBridge) else f"{cc.consumer_group}-bridge"
+    src = source if source is not None else open_source(cfg, group)
+    return CacheMaintainer.resume(src, snapshot_dir(cfg), fresh,
                                   snapshot_every_s=cc.snapshot_every_s, snapshot_every_n=cc.snapshot_every_n,
                                   keep_snapshots=cc.keep_snapshots,
                                   batch_max_records=cfg.stream.batch_max_records, partitions=_partitions(cfg))
@@ -245,14 +261,15 @@ def _partitions(cfg: Config) -> int:
     return cfg.stream.partitions if cfg.stream.kind == "kafka" else 1
 
 
-def open_replica_cache(cfg: Config, source: EventSource | None = None, *, start: bool = True) -> CacheMaintainer:
+def open_replica_cache(cfg: Config, source: EventSource | None = None, *, start: bool = True,
+                       fresh: Callable[[], Cache] | None = None) -> CacheMaintainer:
     """A runtime replica's cache: the newest snapshot, then the stream tailed from its offsets
     in a private consumer group, without writing snapshots. `.cache` is what the drafter reads."""
     from online.stream import open_source
 
     cc = cfg.cache
     src = source if source is not None else open_source(cfg, f"{cc.consumer_group}-replica-{uuid.uuid4().hex[:8]}")
-    m = CacheMaintainer.resume(src, snapshot_dir(cfg), lambda: new_cache(cc),
+    m = CacheMaintainer.resume(src, snapshot_dir(cfg), fresh or (lambda: new_cache(cc)),
                                batch_max_records=cfg.stream.batch_max_records, partitions=_partitions(cfg))
     m.snapshot_dir = None  # replicas read snapshots, the maintainer writes them
     return m.start() if start else m

@@ -1,7 +1,7 @@
 """Cache snapshots on disk: atomic writes, newest-first loading with fallback.
 
 A snapshot file is `<kind>-<seq>.snap` (seq increases with every write) holding the
-versioned bytes of `SuffixCache.snapshot()` / `NGramTable.snapshot()`: format version,
+versioned bytes of `SuffixCache.snapshot()` / `NGramTable.snapshot()` / `VocabBridge.snapshot()`: format version,
 config, the stream offsets it includes, the cached sequences. It is written to a
 temporary file, fsynced, then renamed, so a reader or a crash never sees half a file.
 """
@@ -17,12 +17,14 @@ from pathlib import Path
 from runtime.drafters.ngram import NGramTable
 from runtime.drafters.seqlog import SnapshotError
 from runtime.drafters.suffix_tree import SuffixCache
+from runtime.drafters.vocab_bridge import VocabBridge
 
 log = logging.getLogger(__name__)
 
-Cache = SuffixCache | NGramTable
-CACHE_CLASSES: dict[str, type[SuffixCache] | type[NGramTable]] = {"suffix": SuffixCache, "ngram": NGramTable}
-_NAME = re.compile(r"^(suffix|ngram)-(\d{12})\.snap$")
+Cache = SuffixCache | NGramTable | VocabBridge
+CACHE_CLASSES: dict[str, type[SuffixCache] | type[NGramTable] | type[VocabBridge]] = {
+    "suffix": SuffixCache, "ngram": NGramTable, "bridge": VocabBridge}
+_NAME = re.compile(r"^(suffix|ngram|bridge)-(\d{12})\.snap$")
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def load_latest_snapshot(directory: str | os.PathLike, kind: str = "suffix") -> 
 
 
 def cache_kind(cache: Cache) -> str:
-    """The snapshot kind ("suffix", "ngram") of a cache."""
+    """The snapshot kind ("suffix", "ngram", "bridge") of a cache."""
     for kind, cls in CACHE_CLASSES.items():
         if isinstance(cache, cls):
             return kind

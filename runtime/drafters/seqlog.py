@@ -189,6 +189,12 @@ class SnapshotMixin:
     config: Any
     stream_offsets: dict[int, int]
 
+    @property
+    def ready(self) -> bool:
+        """Whether a restored snapshot can serve as is (a VocabBridge also needs its tokenizers,
+        which a snapshot does not hold: the maintainer re-adds its sequences into one that has them)."""
+        return True
+
     def _init_sequences(self, config: Any) -> None:
         self.config = config
         # The caller's stream position (partition -> next offset) that the contents include.
