@@ -111,8 +111,28 @@ def main() -> None:
         print(f"| {c} | {s['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {b['tokens_per_s'] / s['tokens_per_s']:.2f} | "
               f"{s['p50_s']:.2f} / {s['p99_s']:.2f} | {b['p50_s']:.2f} / {b['p99_s']:.2f} | "
               f"{s['outputs_equal_solo'] and b['outputs_equal_solo']} |")
+    rule = batch_k_rule(handles["batched"].engine)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "rows": results, "batch_k_rule": rule}, indent=2))
+
+
+def batch_k_rule(engine: SpeculativeEngine) -> list[dict]:
+    """What the batched engine did at each batch size over the whole run: decode steps, the mean of
+    each step's widest draft (with --adaptive: the cap the cost-aware rule chose), tokens per row per
+    step, and the measured seconds of a target forward feeding rows x (k + 1) tokens for k = 0 and k = 4.
+    Printed as a table."""
+    rows = []
+    for n, (steps, k_sum, tokens) in sorted(engine.k_by_rows.items()):
+        v1, v5 = engine.costs.verify(n), engine.costs.verify(n * 5)
+        rows.append({"rows": n, "steps": steps, "mean_k": round(k_sum / steps, 2),
+                     "tokens_per_row_step": round(tokens / (steps * n), 2),
+                     "verify_ms_k0": round(1e3 * v1, 1) if v1 else None, "verify_ms_k4": round(1e3 * v5, 1) if v5 else None})
+    print("\n| rows in step | steps | mean k | tokens / row / step | target forward ms, k = 0 | k = 4 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} | {r['steps']} | {r['mean_k']} | {r['tokens_per_row_step']} | {r['verify_ms_k0']} | "
+              f"{r['verify_ms_k4']} |")
+    return rows
 
 
 if __name__ == "__main__":

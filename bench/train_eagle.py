@@ -51,7 +51,13 @@ def main() -> None:
         raise SystemExit(f"the general pool has fewer than {len(pool)} distinct prompts: held-out prompts would "
                          "repeat training prompts; lower --requests/--heldout")
     t0 = time.perf_counter()
-    traces = answer_prompts(target, [chat_ids(target, p) for p in pool], args.max_new_tokens)
+    done = [0]
+
+    def answered(n: int) -> None:
+        done[0] += n
+        print(f"  target answered {done[0]}/{len(pool)} prompts ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    traces = answer_prompts(target, [chat_ids(target, p) for p in pool], args.max_new_tokens, progress=answered)
     gen_s = time.perf_counter() - t0
     tokens = sum(len(t.output_ids) for t in traces)
     print(f"target answers: {len(traces)} requests, {tokens} tokens in {gen_s:.0f}s", flush=True)

@@ -130,6 +130,9 @@ class SpeculativeEngine:
         self._free_rows = list(range(self.config.max_batch - 1, -1, -1))
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
         self._acceptance: dict[str, AcceptanceCounts] = {}  # per drafter version, over all its requests
+        # rows in a decode step -> [steps, sum of the step's widest draft, tokens yielded]: what the
+        # batch-level k rule chose at each batch size (bench_serving reports it)
+        self.k_by_rows: dict[int, list[int]] = {}
 
     @classmethod
     def for_model(
@@ -287,6 +290,9 @@ class SpeculativeEngine:
     def _decode(self, reqs: list[_Request]) -> None:
         t0 = time.perf_counter()
         ks = self._draft_lengths(reqs)
+        rec = self.k_by_rows.setdefault(len(reqs), [0, 0, 0])
+        rec[0] += 1
+        rec[1] += max(ks, default=0)
         drafts = self._propose(reqs, ks)
         t1 = time.perf_counter()
         feats = any(r.drafter.uses_features for r in reqs)
@@ -315,6 +321,7 @@ class SpeculativeEngine:
             new = self._accept_tokens(req, draft.tokens[: verdict.accepted] + [verdict.next_token])
             step.accepted = min(verdict.accepted, len(new))  # tokens past EOS/max_new_tokens don't count
             req.stats.record_step(len(draft.tokens), step.accepted)
+            rec[2] += len(new)
             req.length.update(len(draft.tokens), verdict.accepted)
             req.steps.append(step)
         if self.config.measure_costs:
