@@ -54,7 +54,7 @@ class DraftLengthConfig:
 class Curve:
     """Seconds as a function of tokens: an exponential moving average per measured token
     count, read between measured points by linear interpolation and beyond them by the
-    slope of the last two. With one point (x0, y0): y0 * (1 + slope * (x - x0)) when a
+    mean slope from the first to the last (never negative). With one point (x0, y0): y0 * (1 + slope * (x - x0)) when a
     `one_point_slope` is given (a prior that lets the engine try wider steps and measure
     them), else proportionally from the origin."""
 
@@ -88,8 +88,14 @@ class Curve:
             if self.one_point_slope is not None:
                 return ys[0] * (1.0 + self.one_point_slope * (x - xs[0]))
             return ys[0] * x / xs[0]
-        lo, hi = (i - 1, i) if 0 < i < len(xs) else ((0, 1) if i == 0 else (len(xs) - 2, len(xs) - 1))
-        slope = (ys[hi] - ys[lo]) / (xs[hi] - xs[lo])
+        if 0 < i < len(xs):
+            lo, hi = i - 1, i
+        else:
+            # beyond the measured range: the mean slope over it (first to last point), not that
+            # of two neighbouring noisy points. Under-estimating a wide step is self-correcting
+            # (the engine tries it and measures it); over-estimating it would rule it out forever.
+            lo, hi = 0, len(xs) - 1
+        slope = max((ys[hi] - ys[lo]) / (xs[hi] - xs[lo]), 0.0)
         return max(ys[lo] + slope * (x - xs[lo]), 0.0)
 
 

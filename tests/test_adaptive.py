@@ -38,6 +38,9 @@ def test_curve_interpolates_and_extrapolates():
     assert c(4) == pytest.approx(3.0) and c(10) == pytest.approx(6.0) and c(1) == pytest.approx(1.5)
     c.record(2, 3.0)  # exponential moving average of repeated measurements
     assert c(2) == pytest.approx(2.2)
+    c.record(7, 9.0)  # a noisy neighbour: beyond the range, the mean slope over it, not the last two's
+    assert c(9) == pytest.approx(2.2 + (9.0 - 2.2) / 5 * 7) and c(20) < 2.2 + 6.8 * 18 / 5 + 1e-9
+    assert c(20) < 9.0 + 4.8 * 13  # the last two points' slope (4.8/s per token) would say 71.4
     prior = Curve(one_point_slope=0.1)
     prior.record(1, 1.0)
     assert prior(5) == pytest.approx(1.4)
