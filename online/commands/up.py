@@ -86,7 +86,13 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
     texts = chat_prompts(target.tokenizer, [p for d in domains for p in prompts_for(d, per, seed=99)])
     print(f"warm-starting an EAGLE-3 head for {spec} on {len(texts)} prompts ({', '.join(domains)}) for "
           f"{minutes:g} min of training into {out} (once) ...", flush=True)
-    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], 48)
+    done = [0]
+
+    def answered(n: int) -> None:
+        done[0] += n
+        print(f"warm start: the target answered {done[0]}/{len(texts)} prompts", flush=True)
+
+    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], 48, progress=answered)
     tcfg = TrainerConfig(steps=1_000_000, max_seconds=minutes * 60, batch_size=8, lr=1e-3, ce_weight=0.2,
                          warmup_steps=20)
     tmp = out.parent / f".{out.name}-tmp"
