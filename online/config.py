@@ -121,6 +121,9 @@ class CacheConfig:
     max_spec_offset: float = 0.0  # suffix: see max_spec_factor
     min_token_prob: float = 0.1  # stop drafting once the path probability falls below this
     ngram_max_n: int = 3  # ngram: longest context
+    # crossvocab: a drafter directory (its tokenizer) whose vocabulary bridge (OmniDraft's n-gram
+    # cache) the daemon also maintains from the stream and `serve --drafter-kind crossvocab` tails
+    bridge_drafter: str = ""
     # one cache per trace tag (tenant): no draft of one tenant's request comes from another's outputs
     # (speculation patterns are a side channel, arXiv 2411.01076); false shares one cache: an explicit opt-in
     tag_scoped: bool = True

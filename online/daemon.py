@@ -63,6 +63,8 @@ class Daemon:
                                    poll_timeout_s=cfg.daemon.collector_poll_s)
         self.trainer = TrainerService(cfg, self.store, self.registry, target) if trainer else None
         self.cache = _cache_maintainer(cfg) if cache and cfg.daemon.cache else None
+        self.bridge = (_bridge_maintainer(cfg, target) if cache and cfg.daemon.cache and cfg.cache.bridge_drafter
+                       else None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pruner: threading.Thread | None = None
@@ -76,8 +78,9 @@ class Daemon:
             self._pruner.start()
         if self.trainer is not None:
             self.trainer.start()
-        if self.cache is not None:
-            self.cache.start()
+        for m in (self.cache, self.bridge):
+            if m is not None:
+                m.start()
         log.info("daemon: collecting %s stream into %s%s%s", self.cfg.stream.kind, _safe_url(self.store),
                  "; trainer scheduled" if self.trainer else "", "; cache maintained" if self.cache else "")
 
@@ -123,12 +126,14 @@ class Daemon:
             collected = self.collector.drain().collected
         except Exception:
             log.exception("daemon: the final collector pass failed; uncommitted records stay in the stream")
-        if self.cache is not None:
+        for m in (self.cache, self.bridge):
+            if m is None:
+                continue
             try:
-                self.cache.stop()  # writes a final snapshot, then commits its offsets
-                self.cache.source.close()
+                m.stop()  # writes a final snapshot, then commits its offsets
+                m.source.close()
             except Exception:
-                log.exception("daemon: stopping the cache maintainer failed")
+                log.exception("daemon: stopping a cache maintainer failed")
         finished = self.trainer.stop(timeout_s) if self.trainer is not None else True
         try:
             self.source.close()
@@ -144,6 +149,18 @@ class Daemon:
 def _safe_url(store: Any) -> str:
     url = getattr(store, "url", "")
     return str(url).split("@")[-1] if url else type(store).__name__
+
+
+def _bridge_maintainer(cfg: Config, target: LoadedModel | None) -> Any:
+    """The vocabulary bridge of `cache.bridge_drafter` (crossvocab), maintained like the suffix cache
+    under its own consumer group; it needs the target's tokenizer (`livedraft daemon --target`)."""
+    from online.cache import open_maintainer
+    from online.cache.maintainer import bridge_factory
+    from online.config import ConfigError
+
+    if target is None:
+        raise ConfigError("cache.bridge_drafter needs the target's tokenizer: start the daemon with --target")
+    return open_maintainer(cfg, fresh=bridge_factory(cfg, target.tokenizer))
 
 
 def _cache_maintainer(cfg: Config) -> Any:

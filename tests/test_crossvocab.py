@@ -282,3 +282,51 @@ def test_bridge_is_maintained_from_the_stream_and_replicas_converge(tokenizers_p
         if tr.tag == "b":
             only_b.add_sequence(tr.output_ids, "b")
     assert main.cache.mappings("b") == only_b.mappings("b") < main.cache.mappings("a")
+
+
+def test_the_daemon_maintains_the_bridge_and_a_serving_replica_drafts_through_it(stories, smollm2, tmp_path):
+    """`cache.bridge_drafter` set: `livedraft daemon --target T` maintains that drafter's vocabulary
+    bridge from the stream (snapshots on drain), and what `serve --drafter-kind crossvocab` opens —
+    a replica from the snapshot, tailing the stream — holds the same bridge and feeds the drafter."""
+    import uuid
+
+    from online.cache import open_replica_cache
+    from online.cache.maintainer import bridge_factory
+    from online.config import CacheConfig, Config, ConfigError, StreamConfig
+    from online.daemon import Daemon
+    from online.stream import open_sink
+    from runtime.drafters.factory import DrafterConfig, build_drafter
+    from runtime.trace import RequestTrace
+    from tests.polling import wait_for
+
+    cfg = Config(data_dir=str(tmp_path), stream=StreamConfig(kind="sql"),
+                 cache=CacheConfig(bridge_drafter=str(stories.path)))
+    with pytest.raises(ConfigError, match="--target"):
+        Daemon(cfg, trainer=False)
+    daemon = Daemon(cfg, target=smollm2, trainer=False)
+    assert daemon.bridge is not None and daemon.bridge.cache.ready
+    daemon.start()
+    sink = open_sink(cfg)
+    texts = [f"Once upon a time, there was a little {w} who loved to play in the park with a red ball."
+             for w in ("girl", "boy", "dog", "cat", "bird", "girl", "boy", "dog")]
+    try:
+        for i, s in enumerate(texts):
+            sink.emit(RequestTrace(request_id=f"r{i}-{uuid.uuid4().hex[:6]}", prompt_ids=[1],
+                                   output_ids=smollm2.tokenizer(s).input_ids, steps=[], target_model="t",
+                                   drafter_version="-"))
+        assert sink.flush(10)
+        wait_for(lambda: daemon.bridge.cache.num_sequences == len(texts), 30, "the bridge to take every trace")
+    finally:
+        sink.close()
+        daemon.stop(30)
+    assert list((tmp_path / "cache").glob("bridge-*.snap"))
+    learned = daemon.bridge.cache.mappings()
+    assert learned > 5
+    replica = open_replica_cache(cfg, fresh=bridge_factory(cfg, smollm2.tokenizer), start=False)
+    try:
+        assert replica.cache.ready and replica.cache.num_sequences == len(texts)
+        assert replica.cache.snapshot() == daemon.bridge.cache.snapshot()
+        drafter = build_drafter(DrafterConfig(kind="crossvocab", path=str(stories.path), cache=replica.cache), smollm2)
+        assert drafter.bridge is replica.cache
+    finally:
+        replica.source.close()

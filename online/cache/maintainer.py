@@ -237,6 +237,20 @@ def new_bridge(cc: CacheConfig, target_tokenizer: object, drafter_tokenizer: obj
                        target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
 
 
+def bridge_factory(cfg: Config, target_tokenizer: object) -> Callable[[], VocabBridge]:
+    """`fresh` for the bridge of `cache.bridge_drafter` (its tokenizer loaded once)."""
+    from transformers import AutoTokenizer
+
+    from online.config import ConfigError
+
+    path = cfg.cache.bridge_drafter
+    try:
+        drafter_tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cache.bridge_drafter {path!r}: no tokenizer could be loaded from it ({e})") from e
+    return lambda: new_bridge(cfg.cache, target_tokenizer, drafter_tokenizer)
+
+
 def snapshot_dir(cfg: Config) -> Path:
     return cfg.data_path / "cache"
 

@@ -65,8 +65,16 @@ def run(args: argparse.Namespace) -> int:
         raise LivedraftError(f"max_batch must be >= 1, got {s.max_batch}")
     target = load_target(args.target, cfg, args)
     initial = None
+    replica = None
+    if args.drafter_kind == "crossvocab" and cfg.cache.bridge_drafter:
+        # the vocabulary bridge the daemon maintains: newest snapshot, then the stream tailed
+        from online.cache import open_replica_cache
+        from online.cache.maintainer import bridge_factory
+
+        replica = open_replica_cache(cfg, fresh=bridge_factory(cfg, target.tokenizer))
     if args.drafter or args.drafter_kind != "model" or not s.watch_registry:
-        initial = build_drafter(DrafterConfig(kind=args.drafter_kind, path=resolve_drafter(args.drafter, cfg)),
+        initial = build_drafter(DrafterConfig(kind=args.drafter_kind, path=resolve_drafter(args.drafter, cfg),
+                                              cache=replica.cache if replica is not None else None),
                                 target, cfg.models.cache_dir)
     source = None
     if s.watch_registry:
@@ -91,5 +99,8 @@ def run(args: argparse.Namespace) -> int:
         sink.close(s.drain_timeout_s)
     finally:
         restore()
+    if replica is not None:
+        replica.stop()
+        replica.source.close()
     print(f"livedraft serve: stopped ({'drained' if drained else 'requests were still running'})", flush=True)
     return 0 if drained else 1
