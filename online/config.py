@@ -145,7 +145,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for the engine, all clients; beyond: 503
     max_queue_per_client: int = 16  # per client (API key tenant, else address); beyond: 429
     max_body_bytes: int = 1048576  # larger request bodies: 413
-    max_header_bytes: int = 16384  # larger request line + headers: 400
+    max_header_bytes: int = 16384  # larger request line + headers: 431
     default_max_tokens: int = 64  # when a request gives no max_tokens
     request_timeout_s: float = 300.0  # a request not finished by then: 504
     read_timeout_s: float = 10.0  # a request body that stops arriving for this long: 408

@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     from runtime.loader import LoadedModel
 
 
+# runtime.drafters.factory.BUILDERS' keys, spelt out so a command's --help needs no torch import
+# (tests/test_generate_cli.py keeps the two equal)
+DRAFTER_KINDS = ("eagle", "model", "crossvocab", "hybrid", "suffix", "ngram", "lookup", "none")
+DRAFTER_KINDS_HELP = " | ".join(DRAFTER_KINDS)
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: [models] device, auto)")
     p.add_argument("--dtype", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16 "

@@ -47,3 +47,24 @@ def test_suffix_drafts_repeated_prompts_from_the_first_pass(stories, tmp_path, c
     # measured: ~1.2 on the first pass (the request's own tree only), ~6-7 once the outputs are cached
     assert mal[0] < 2.0 and mal[1] > 4.0 and mal[2] > 4.0, mal
     assert [x["output_ids"] for x in per_prompt[:6]] == [x["output_ids"] for x in per_prompt[6:12]]
+
+
+def test_generate_takes_the_kind_of_the_drafter_directory(stories, stories_eagle_dir, tmp_path, capsys):
+    """No --drafter-kind: an Eagle3 directory drafts as an eagle head (it would not load as a model
+    drafter), and the output is still the target's greedy one."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Once upon a time, there was a dog named\nTom had a red ball. He\n")
+    assert main(["generate", "--target", str(stories.path), "--drafter", str(stories_eagle_dir), "--prompts",
+                 str(prompts), "--max-new-tokens", "16", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    per_prompt = [x for x in lines if "stats" in x]
+    for x in per_prompt:
+        assert x["output_ids"] == hf_greedy(stories.model, stories.tokenizer(x["prompt"]).input_ids, 16)
+    assert sum(x["stats"]["accepted"] for x in per_prompt) > 0
+
+
+def test_the_kinds_named_in_help_are_the_factorys():
+    from online.models import DRAFTER_KINDS
+    from runtime.drafters.factory import BUILDERS
+
+    assert sorted(DRAFTER_KINDS) == sorted(BUILDERS)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from online.config import load_config
-from online.models import add_model_arguments
+from online.models import DRAFTER_KINDS_HELP, add_model_arguments
 from runtime.adaptive import DraftLengthConfig
 from runtime.errors import LivedraftError, RequestError
 from runtime.stats import RequestStats
@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
     p.add_argument("--drafter", help="drafter directory (kinds model, eagle, hybrid)")
-    p.add_argument("--drafter-kind", default="model",
-                   help="model | eagle | lookup | suffix | ngram | hybrid | none (default: model)")
+    p.add_argument("--drafter-kind", help=f"{DRAFTER_KINDS_HELP} (default: the kind of the --drafter directory, "
+                                          "model without one)")
     p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl ({\"prompt\": ...})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -72,7 +72,7 @@ def encode(tokenizer: object, prompt: str, chat: bool) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from online.models import load_target, resolve_drafter
-    from runtime.drafters.factory import DrafterConfig, build_drafter
+    from runtime.drafters.factory import DrafterConfig, build_drafter, drafter_kind
     from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 
     cfg = load_config(args.config)
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and not getattr(target.tokenizer, "chat_template", None):
         raise LivedraftError(f"target {args.target} has no chat template: drop --chat to encode prompts as plain text")
     path = resolve_drafter(args.drafter, cfg)
-    drafter = build_drafter(DrafterConfig(kind=args.drafter_kind, path=path), target, cfg.models.cache_dir)
+    kind = args.drafter_kind or (drafter_kind(path) if path else "model")
+    drafter = build_drafter(DrafterConfig(kind=kind, path=path), target, cfg.models.cache_dir)
     length = DraftLengthConfig(k=args.k_max, adaptive=True) if args.adaptive else DraftLengthConfig(k=args.k)
     engine = SpeculativeEngine.for_model(target, drafter, EngineConfig(draft=length))
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)

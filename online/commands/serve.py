@@ -8,7 +8,7 @@ import threading
 
 from online.commands.daemon import install_stop_signals
 from online.config import load_config
-from online.models import add_model_arguments
+from online.models import DRAFTER_KINDS_HELP, add_model_arguments
 from runtime.errors import LivedraftError
 
 log = logging.getLogger(__name__)
@@ -18,9 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-compatible), with drafter hot-swap")
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
     p.add_argument("--drafter", help="drafter directory (kinds model, eagle, hybrid)")
-    p.add_argument("--drafter-kind", default="model",
-                   help="model | eagle | lookup | suffix | ngram | hybrid | none (default: model; with "
-                        "--watch-registry and no --drafter, the registry's champion)")
+    p.add_argument("--drafter-kind", help=f"{DRAFTER_KINDS_HELP} (default: the kind of the --drafter directory; "
+                                          "with --watch-registry and no --drafter, the registry's champion)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--k", type=int, help="fixed draft length (default: [serve] k)")
     mode.add_argument("--adaptive", action="store_true",
@@ -46,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from online.models import load_target, resolve_drafter
     from online.serving import start_serving
     from online.stream import open_sink
-    from runtime.drafters.factory import DrafterConfig, build_drafter
+    from runtime.drafters.factory import DrafterConfig, build_drafter, drafter_kind
 
     cfg = load_config(args.config)
     s = cfg.serve
@@ -66,14 +65,16 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, cfg, args)
     initial = None
     replica = None
-    if args.drafter_kind == "crossvocab" and cfg.cache.bridge_drafter:
+    path = resolve_drafter(args.drafter, cfg)
+    kind = args.drafter_kind or (drafter_kind(path) if path else "model")
+    if kind == "crossvocab" and cfg.cache.bridge_drafter:
         # the vocabulary bridge the daemon maintains: newest snapshot, then the stream tailed
         from online.cache import open_replica_cache
         from online.cache.maintainer import bridge_factory
 
         replica = open_replica_cache(cfg, fresh=bridge_factory(cfg, target.tokenizer))
-    if args.drafter or args.drafter_kind != "model" or not s.watch_registry:
-        initial = build_drafter(DrafterConfig(kind=args.drafter_kind, path=resolve_drafter(args.drafter, cfg),
+    if args.drafter or kind != "model" or not s.watch_registry:
+        initial = build_drafter(DrafterConfig(kind=kind, path=path,
                                               cache=replica.cache if replica is not None else None),
                                 target, cfg.models.cache_dir)
     source = None
