@@ -251,3 +251,16 @@ def test_saved_and_reloaded_head_drafts_the_same(stories, stories_eagle_dir, tmp
         d.begin("r", [1])
         outs.append(d.propose([DraftRow("r", [1, 400, 300, 20, 50], 4, features=feats)])[0])
     assert isinstance(outs[0], Draft) and outs[0].tokens == outs[1].tokens
+
+
+def test_a_time_bounded_run_anneals_its_learning_rate():
+    """The schedule follows the spent fraction of the budget (steps or seconds): a run stopped by
+    its time budget ends at the bottom of the cosine, not at its peak learning rate."""
+    from online.trainer.eagle import lr_factor
+
+    assert lr_factor(0, 0.0, 10) == pytest.approx(0.1)  # warm-up
+    assert lr_factor(9, 0.0, 10) == pytest.approx(1.0)
+    assert lr_factor(50, 0.0, 10) == pytest.approx(1.0)
+    assert lr_factor(50, 0.5, 10) == pytest.approx(0.55)
+    assert lr_factor(50, 1.0, 10) == pytest.approx(0.1)
+    assert lr_factor(50, 3.0, 10) == pytest.approx(0.1)

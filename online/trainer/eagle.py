@@ -278,18 +278,21 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
     loss_fn = TTTLoss(head, embed, target_head, cfg)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(cfg.steps, cfg.warmup_steps))
     head.train()
     losses, t0, paused = [], time.perf_counter(), 0.0
     batches = _batches(examples, cfg.batch_size, cfg.seed)
     for step in range(cfg.steps):
+        progress = step / cfg.steps
+        if cfg.max_seconds:  # a time budget: the schedule follows whichever budget ends first
+            progress = max(progress, (time.perf_counter() - t0 - paused) / cfg.max_seconds)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * lr_factor(step, progress, cfg.warmup_steps)
         loss, parts = loss_fn(next(batches))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
-        sched.step()
         losses.append(float(loss.detach()))
         if on_step is not None:
             paused += on_step(step, losses[-1]) or 0.0
@@ -303,12 +306,13 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
     return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples))
 
 
-def _warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
-    def f(i: int) -> float:
-        if i < warmup:
-            return (i + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warmup) / max(1, steps - warmup)))) * 0.9 + 0.1
-    return f
+def lr_factor(step: int, progress: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0.1 over `progress` (the fraction
+    of the training budget spent: steps, or seconds when training is time-bounded, so a run cut
+    by its time budget still anneals instead of stopping at its peak learning rate)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, max(progress, 0.0)))) * 0.9 + 0.1
 
 
 def _batches(examples: list[EagleExample], size: int, seed: int) -> Iterator[list[EagleExample]]:
