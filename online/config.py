@@ -142,6 +142,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0 = any free port)
     max_batch: int = 8  # requests decoded together (continuous batching); 8 suits a 2-core CPU
+    reuse_prefix: bool = True  # a request keeps the KV of the prompt prefix it shares with a free row's last request
     max_queue: int = 64  # requests waiting for the engine, all clients; beyond: 503
     max_queue_per_client: int = 16  # per client (API key tenant, else address); beyond: 429
     max_body_bytes: int = 1048576  # larger request bodies: 413

@@ -109,7 +109,8 @@ def start_serving(
         initial_drafter = NoDrafter()
     slot = DrafterSlot(initial_drafter)
     length = DraftLengthConfig(k=s.k_max, adaptive=True) if s.adaptive else DraftLengthConfig(k=s.k)
-    engine = SpeculativeEngine.for_model(target, slot, EngineConfig(draft=length, max_batch=s.max_batch), sink=sink)
+    engine_cfg = EngineConfig(draft=length, max_batch=s.max_batch, reuse_prefix=s.reuse_prefix)
+    engine = SpeculativeEngine.for_model(target, slot, engine_cfg, sink=sink)
     swapper = None
     if drafter_source is not None:
         swapper = HotSwapper(slot, drafter_source, poll_s=s.poll_s, initial=initial_ref, rollback=RollbackConfig(

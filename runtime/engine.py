@@ -78,6 +78,10 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens a joining request feeds per step
     measure_alpha: bool = True  # OSD's alpha: a target softmax per drafted position with q
     measure_costs: bool = True  # time every step into `engine.costs` (adaptive k reads it)
+    # a joining request takes the free row whose cached tokens share the longest prefix with its
+    # prompt and keeps that prefix's KV (and target features) instead of recomputing it: chat
+    # traffic shares its system prompt. Needs a target with `cached(row)` (not replay's).
+    reuse_prefix: bool = True
 
 
 @dataclass
@@ -128,6 +132,11 @@ class SpeculativeEngine:
         self._waiting: deque[_Request] = deque()  # added, not fully prefilled
         self._running: list[_Request] = []
         self._free_rows = list(range(self.config.max_batch - 1, -1, -1))
+        # free row -> (tokens its KV cache holds, their target features or None): left by the
+        # request that last ran there, for the next one to reuse (EngineConfig.reuse_prefix)
+        self._row_cache: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        self.prompt_tokens = 0  # prompt tokens of admitted requests
+        self.reused_prompt_tokens = 0  # of which came from a row's cache, not a forward
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
         self._acceptance: dict[str, AcceptanceCounts] = {}  # per drafter version, over all its requests
         # rows in a decode step -> [steps, sum of the step's widest draft, tokens yielded]: what the
@@ -174,6 +183,7 @@ class SpeculativeEngine:
         shared = self._acceptance.setdefault(drafter.version, AcceptanceCounts())
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
                        DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self._device())
+        req.log_features = self.config.reuse_prefix and drafter.uses_features
         req.drafter.begin(req.id, req.prompt, tag=tag)
         self._waiting.append(req)
         return req.id
@@ -265,8 +275,7 @@ class SpeculativeEngine:
             if req.row < 0:
                 if not self._free_rows:
                     break
-                req.row = self._free_rows.pop()
-                self.target.reset(req.row)
+                self._admit(req)
             batch.append(req)
         if not batch:
             return
@@ -279,13 +288,39 @@ class SpeculativeEngine:
             req.prefilled += len(chunk)
             req.stats.prefill_s += dt
             if req.drafter.uses_features:
-                req.features.append(fwd.features[b, : len(chunk)])
+                req.add_features(fwd.features[b, : len(chunk)])
             if req.prefilled < len(req.prompt):
                 continue
             self._waiting.remove(req)
             self._running.append(req)
             first = self._choose(fwd.logits[b], req)
             self._accept_tokens(req, [first])
+
+    def _admit(self, req: _Request) -> None:
+        """Gives `req` a free row: the one whose cache shares the longest prefix with its prompt,
+        keeping that prefix (at least the prompt's last token is always fed: its logits are needed)."""
+        best, keep, feats = self._free_rows[-1], 0, None
+        if self.config.reuse_prefix and getattr(self.target, "cached", None) is not None:
+            for row in reversed(self._free_rows):
+                tokens, row_feats = self._row_cache.get(row, ((), None))
+                if req.drafter.uses_features and row_feats is None:
+                    continue
+                n = _common_prefix(tokens, req.prompt, len(req.prompt) - 1)
+                if n > keep:
+                    best, keep, feats = row, n, row_feats
+        self._free_rows.remove(best)
+        self._row_cache.pop(best, None)
+        req.row = best
+        if keep:
+            self.target.rollback(best, keep)
+            req.prefilled = keep
+            if req.drafter.uses_features:
+                req.add_features(feats[:keep])
+        else:
+            self.target.reset(best)
+        self.prompt_tokens += len(req.prompt)
+        self.reused_prompt_tokens += keep
+        req.stats.reused_prompt_tokens = keep
 
     def _decode(self, reqs: list[_Request]) -> None:
         t0 = time.perf_counter()
@@ -317,7 +352,7 @@ class SpeculativeEngine:
                 req.stats.alpha_sum += float(torch.minimum(p, q[:, : p.shape[-1]]).sum())
                 req.stats.alpha_count += len(draft.tokens)
             if req.drafter.uses_features:
-                req.features.append(fwd.features[b, : verdict.accepted + 1])
+                req.add_features(fwd.features[b, : verdict.accepted + 1])
             new = self._accept_tokens(req, draft.tokens[: verdict.accepted] + [verdict.next_token])
             step.accepted = min(verdict.accepted, len(new))  # tokens past EOS/max_new_tokens don't count
             req.stats.record_step(len(draft.tokens), step.accepted)
@@ -413,6 +448,11 @@ class SpeculativeEngine:
             req.drafter.end(req.id, output)
         finally:
             if req.row >= 0:
+                if output is not None and self.config.reuse_prefix:
+                    cached = getattr(self.target, "cached", None)
+                    n = min(cached(req.row), len(req.context)) if cached is not None else 0
+                    feats = req.feature_log(n) if req.drafter.uses_features else None
+                    self._row_cache[req.row] = (req.context[:n], feats)
                 self._free_rows.append(req.row)
                 req.row = -1
 
@@ -424,6 +464,7 @@ class SpeculativeEngine:
         reqs = [*self._waiting, *self._running]
         self._waiting.clear()
         self._running.clear()
+        self._row_cache.clear()  # a failed forward may have left any row's cache half-written
         for req in reqs:
             try:
                 self._release(req, None)
@@ -447,6 +488,13 @@ class SpeculativeEngine:
         )
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n, end = 0, min(len(a), len(b), limit)
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class _Request:
     """Mutable per-request decoding state."""
 
@@ -467,9 +515,24 @@ class _Request:
         self.row = -1  # the target cache row, once admitted
         self.prefilled = 0  # prompt tokens fed to the target
         self.features: list[torch.Tensor] = []  # target features the drafter has not been given yet
+        self._all_features: list[torch.Tensor] = []  # every position's, in order (left for the row's next request)
+        self.log_features = False  # keep _all_features (the engine reuses rows' prefixes)
         self.created, self.t0 = time.time(), time.perf_counter()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def add_features(self, feats: torch.Tensor) -> None:
+        self.features.append(feats)
+        if self.log_features:
+            self._all_features.append(feats.clone())  # a copy: a view would keep the whole batch's tensor
+
+    def feature_log(self, n: int) -> torch.Tensor | None:
+        """The target features of the first `n` context positions (None if fewer were computed)."""
+        if not self._all_features:
+            return None
+        log_ = torch.cat(self._all_features)
+        self._all_features = []
+        return log_[:n].clone() if log_.shape[0] >= n else None
 
     def append(self, tokens: list[int], eos_ids: set[int]) -> list[int]:
         """Appends up to EOS or max_new_tokens; returns the tokens kept."""

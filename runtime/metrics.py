@@ -108,6 +108,9 @@ def _acceptance(by_version: dict[str, RequestStats]) -> Iterator[Metric]:
     v = ["version"]
     fam = {
         "prompt": CounterMetricFamily("livedraft_prompt_tokens", "Prompt tokens of finished requests.", labels=v),
+        "reused": CounterMetricFamily("livedraft_prompt_tokens_reused",
+                                      "Prompt tokens whose KV cache was reused from a row's earlier request "
+                                      "(prefix reuse: no forward).", labels=v),
         "gen": CounterMetricFamily("livedraft_generation_tokens", "Generated tokens of finished requests.", labels=v),
         "drafts": CounterMetricFamily("livedraft_spec_decode_num_drafts",
                                       "Verify steps (each counts, also one with an empty draft).", labels=v),
@@ -129,6 +132,7 @@ def _acceptance(by_version: dict[str, RequestStats]) -> Iterator[Metric]:
     for version, s in sorted(by_version.items()):
         lv = [version]
         fam["prompt"].add_metric(lv, s.prompt_tokens)
+        fam["reused"].add_metric(lv, s.reused_prompt_tokens)
         fam["gen"].add_metric(lv, s.output_tokens)
         fam["drafts"].add_metric(lv, s.steps)
         fam["drafted"].add_metric(lv, s.drafted)

@@ -16,6 +16,7 @@ from typing import Any
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # of the prompt's, KV reused from a row's earlier request (no forward)
     output_tokens: int = 0
     steps: int = 0
     drafted: int = 0
@@ -64,7 +65,7 @@ class RequestStats:
     def merge(self, other: RequestStats) -> RequestStats:
         """Sum of two stats (global aggregation); returns a new object."""
         out = RequestStats()
-        for name in ("prompt_tokens", "output_tokens", "steps", "drafted", "accepted",
+        for name in ("prompt_tokens", "reused_prompt_tokens", "output_tokens", "steps", "drafted", "accepted",
                      "alpha_sum", "alpha_count", "prefill_s", "draft_s", "verify_s",
                      "total_s", "requests"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
@@ -83,6 +84,7 @@ class RequestStats:
         return {
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "output_tokens": self.output_tokens,
             "steps": self.steps,
             "drafted": self.drafted,

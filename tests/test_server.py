@@ -250,6 +250,14 @@ def test_metrics_parse_and_move(served, expected):
     assert delta("livedraft_requests_total", status="bad_request") == 1
     version = next(dict(k[1])["version"] for k in after if k[0] == "livedraft_drafter_info")
     assert delta("livedraft_generation_tokens_total", version=version) == len(want)
+    # the same prompt again keeps all of its KV but the last token's (prefix reuse)
+    mid = metric_samples(url)
+    assert complete(url, {"prompt": prompt, "max_tokens": MAX_NEW})[0] == 200
+    reused = metric_samples(url).get(("livedraft_prompt_tokens_reused_total", (("version", version),)), 0.0) - \
+        mid.get(("livedraft_prompt_tokens_reused_total", (("version", version),)), 0.0)
+    prompt_len = metric_samples(url)[("livedraft_prompt_tokens_total", (("version", version),))] - \
+        mid[("livedraft_prompt_tokens_total", (("version", version),))]
+    assert reused == prompt_len - 1
     assert delta("livedraft_spec_decode_num_drafts_total", version=version) >= 1
     assert delta("livedraft_spec_decode_num_accepted_tokens_total", version=version) >= 1
     assert after[("livedraft_request_seconds_count", ())] - before.get(("livedraft_request_seconds_count", ()), 0) == 1
