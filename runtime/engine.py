@@ -9,9 +9,12 @@ correction/bonus token, and crops each row back to its accepted length. Rows dra
 different lengths and accept different lengths; padding never reaches an output, a
 cache or a trace.
 
-Continuous batching: `add` queues a request, `step` prefills queued requests into free
-rows (long prompts in chunks, so a joining request does not stall the batch) and
-advances every running one by one verify step; requests leave at step boundaries on
+Continuous batching: `add` queues a request; each `step` is one target forward that
+verifies every running request and carries the next prompt chunk of each queued request
+that has a free row, packed beside them (runtime/llama.py: no row is padded to a prompt's
+width; long prompts go in chunks), so a joining request costs the batch its prompt's
+compute, not a forward of its own. A joining request keeps the longest prompt prefix its
+row's last request left cached (`EngineConfig.reuse_prefix`). Requests leave at step boundaries on
 EOS, length, a stop string (`on_tokens` returns True) or `cancel`. `generate` runs one
 request to completion. One thread drives an engine.
 """
@@ -42,7 +45,7 @@ from runtime.loader import LoadedModel
 from runtime.sinks import EventSink
 from runtime.slot import DrafterSlot
 from runtime.stats import RequestStats
-from runtime.target import Target, make_target
+from runtime.target import Forward, Target, make_target
 from runtime.trace import RequestTrace, StepRecord, Timings
 from runtime.verify import VerifyRow, verify_batch, warp
 
@@ -252,23 +255,48 @@ class SpeculativeEngine:
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[GenerationResult]:
-        """Prefills what fits, then one draft -> verify -> accept round over every running request.
+        """One target forward: a draft -> verify -> accept round over every running request, with
+        the next prompt chunk of each queued request that has a row packed into the same forward.
         Returns the requests that finished in this step. Raises EngineStepError (after abandoning
         every request in flight) when the target or a drafter fails."""
         try:
             with torch.inference_mode():
-                self._prefill()
-                live = [r for r in self._running if r.finish is None]
-                if live:
-                    self._decode(live)
+                self._step()
         except Exception as e:
             ids = self._abandon_all()
             raise EngineStepError(ids, e) from e
         return self._retire()
 
-    def _prefill(self) -> None:
-        """Feeds up to prefill_chunk prompt tokens of each queued request that has a row."""
-        batch: list[_Request] = []
+    def _step(self) -> None:
+        pre = self._prefill_rows()
+        live = [r for r in self._running if r.finish is None]
+        if not pre and not live:
+            return
+        t0 = time.perf_counter()
+        ks = self._draft_lengths(live) if live else []
+        drafts = self._propose(live, ks) if live else []
+        t1 = time.perf_counter()
+        ids = [[r.context[-1]] + d.tokens for r, d in zip(live, drafts, strict=True)] + [c for _, c in pre]
+        keep = [len(x) for x in ids[: len(live)]] + [1] * len(pre)  # a prompt chunk needs its last logits only
+        fwd = self.target.forward([r.row for r in live] + [r.row for r, _ in pre], ids, logits=keep,
+                                  features=any(r.drafter.uses_features for r in (*live, *(r for r, _ in pre))))
+        t2 = time.perf_counter()
+        if live:
+            self._verify(live, ks, drafts, fwd, (t0, t1), clean=not pre)
+        for b, (req, chunk) in enumerate(pre, start=len(live)):
+            req.prefilled += len(chunk)
+            req.stats.prefill_s += t2 - t1
+            if req.drafter.uses_features:
+                req.add_features(fwd.features[b, : len(chunk)])
+            if req.prefilled < len(req.prompt):
+                continue
+            self._waiting.remove(req)
+            self._running.append(req)
+            self._accept_tokens(req, [self._choose(fwd.logits[b, 0], req)])
+
+    def _prefill_rows(self) -> list[tuple[_Request, list[int]]]:
+        """Each queued request that has (or now gets) a row, with its next prompt chunk."""
+        batch: list[tuple[_Request, list[int]]] = []
         for req in self._waiting:
             if req.finish is not None:
                 continue
@@ -276,25 +304,8 @@ class SpeculativeEngine:
                 if not self._free_rows:
                     break
                 self._admit(req)
-            batch.append(req)
-        if not batch:
-            return
-        t0 = time.perf_counter()
-        chunks = [req.prompt[req.prefilled : req.prefilled + self.config.prefill_chunk] for req in batch]
-        fwd = self.target.forward([r.row for r in batch], chunks, logits="last",
-                                  features=any(r.drafter.uses_features for r in batch))
-        dt = time.perf_counter() - t0
-        for b, (req, chunk) in enumerate(zip(batch, chunks, strict=True)):
-            req.prefilled += len(chunk)
-            req.stats.prefill_s += dt
-            if req.drafter.uses_features:
-                req.add_features(fwd.features[b, : len(chunk)])
-            if req.prefilled < len(req.prompt):
-                continue
-            self._waiting.remove(req)
-            self._running.append(req)
-            first = self._choose(fwd.logits[b], req)
-            self._accept_tokens(req, [first])
+            batch.append((req, req.prompt[req.prefilled : req.prefilled + self.config.prefill_chunk]))
+        return batch
 
     def _admit(self, req: _Request) -> None:
         """Gives `req` a free row: the one whose cache shares the longest prefix with its prompt,
@@ -322,20 +333,18 @@ class SpeculativeEngine:
         self.reused_prompt_tokens += keep
         req.stats.reused_prompt_tokens = keep
 
-    def _decode(self, reqs: list[_Request]) -> None:
-        t0 = time.perf_counter()
-        ks = self._draft_lengths(reqs)
+    def _verify(self, reqs: list[_Request], ks: list[int], drafts: list[Draft], fwd: Forward,
+                times: tuple[float, float], *, clean: bool) -> None:
+        """Accepts each running row's verified draft (rows 0..len(reqs)-1 of `fwd`). `clean`: the
+        forward fed these rows only (no prompt chunk), so its time is a verify cost sample."""
+        t0, t1 = times
         rec = self.k_by_rows.setdefault(len(reqs), [0, 0, 0])
         rec[0] += 1
         rec[1] += max(ks, default=0)
-        drafts = self._propose(reqs, ks)
-        t1 = time.perf_counter()
-        feats = any(r.drafter.uses_features for r in reqs)
-        fwd = self.target.forward([r.row for r in reqs], [[r.context[-1]] + d.tokens for r, d in zip(reqs, drafts, strict=True)],
-                                  logits="all", features=feats)  # logits [B, T, V]
+        width = max(len(d.tokens) for d in drafts) + 1
         rows = [VerifyRow(d.tokens, d.probs, r.params.temperature, r.params.top_p, r.generator)
                 for r, d in zip(reqs, drafts, strict=True)]
-        checked = verify_batch(fwd.logits, rows, with_probs=self.config.measure_alpha)
+        checked = verify_batch(fwd.logits[: len(reqs), :width], rows, with_probs=self.config.measure_alpha)
         t2 = time.perf_counter()
         for b, (req, draft) in enumerate(zip(reqs, drafts, strict=True)):
             verdict = checked.verdicts[b]
@@ -361,8 +370,8 @@ class SpeculativeEngine:
             req.steps.append(step)
         if self.config.measure_costs:
             t3 = time.perf_counter()
-            width = max(len(d.tokens) for d in drafts) + 1
-            self.costs.record_verify(len(reqs) * width, t3 - t1)
+            if clean:
+                self.costs.record_verify(len(reqs) * width, t3 - t1)
             versions = {r.drafter.version for r in reqs}
             if len(versions) == 1:
                 self.costs.record_draft(versions.pop(), sum(ks), t1 - t0)

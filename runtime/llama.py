@@ -279,19 +279,63 @@ class Shape:
 def attention_block(layer: Layer, shape: Shape, cache: KVCache, li: int, batch: Batch, h: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Self-attention of the normed input h [B, T, in] -> [B, T, hidden] (before the residual add)."""
-    b, t = h.shape[0], h.shape[1]
+    return layer.o(attend_qkv(shape, cache, li, batch, layer.qkv(h), cos, sin))
+
+
+def attend_qkv(shape: Shape, cache: KVCache, li: int, batch: Batch, qkv: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+    """Attention of projected q/k/v [B, T, q + 2 kv] over each row's cache -> [B, T, heads * head_dim]
+    (before the output projection)."""
+    b, t = qkv.shape[0], qkv.shape[1]
     nq, nkv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    q, k, v = layer.qkv(h).split((nq, nkv, nkv), dim=-1)
+    q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
     q = rotate(q.view(b, t, shape.heads, shape.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, d]
     k = rotate(k.view(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2), cos, sin)  # [B, KV, T, d]
     v = v.view(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2)
     att = attend(cache, li, batch, q, k, v, shape.scale)  # [B, H, T, d]
-    return layer.o(att.transpose(1, 2).reshape(b, t, nq))
+    return att.transpose(1, 2).reshape(b, t, nq)
 
 
 def mlp_block(layer: Layer, h: torch.Tensor) -> torch.Tensor:
     gate, up = layer.gate_up(h).chunk(2, dim=-1)
     return layer.down(F.silu(gate) * up)
+
+
+# Rows feeding at most this many tokens (decode steps: a pending token and its draft) share one
+# padded attention group; each wider row (a prompt chunk) is a group of its own. Every linear layer
+# runs once over all groups' tokens packed together, so a joining request's prefill rides in the
+# decode step's forward without padding the other rows to its width.
+NARROW_WIDTH = 8
+
+
+@dataclass
+class _Group:
+    rows: list[int]  # indices into the forward's rows
+    batch: Batch
+    width: int  # padded width of the group
+    offset: int  # first position of the group in the packed layout ([rows x width], row-major)
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _plan(cache: KVCache, rows: Sequence[int], widths: Sequence[int], rotary: Rotary,
+          device: torch.device) -> tuple[list[_Group], list[list[int]]]:
+    """The attention groups of a ragged forward, and each row's token positions in the packed layout."""
+    narrow = [i for i, w in enumerate(widths) if w <= NARROW_WIDTH]
+    wide = [[i] for i, w in enumerate(widths) if w > NARROW_WIDTH]
+    sets = ([narrow] if narrow else []) + wide
+    if len(sets) > 1 and all(widths[i] == widths[sets[0][0]] for i in range(len(widths))):
+        sets = [list(range(len(widths)))]  # equal widths: one group pads nothing
+    groups, where, offset = [], [[] for _ in widths], 0
+    for idx in sets:
+        batch = Batch.build(cache, [rows[i] for i in idx], [widths[i] for i in idx], device)
+        t = max(widths[i] for i in idx)
+        cos, sin = rotary(batch.positions, batch.end)
+        groups.append(_Group(idx, batch, t, offset, cos, sin))
+        for j, i in enumerate(idx):
+            where[i] = list(range(offset + j * t, offset + j * t + widths[i]))
+        offset += len(idx) * t
+    return groups, where
 
 
 @dataclass
@@ -339,38 +383,66 @@ class LlamaRunner:
                        capacity=capacity, dtype=self.dtype, device=self.device)
 
     def forward(self, cache: KVCache, rows: Sequence[int], ids: Sequence[Sequence[int]], *,
-                logits: str | None = "all", features: bool = False, hidden: bool = False) -> RunnerOutput:
+                logits: str | Sequence[int] | None = "all", features: bool = False,
+                hidden: bool = False) -> RunnerOutput:
         """Feeds `ids[i]` after the cached positions of `rows[i]` (one row may appear once).
 
         logits: "all" -> [B, T, V] (padded rows past a row's width are garbage), "last" ->
-        [B, V] at each row's last fed token, None -> no LM head at all. `hidden` also returns
-        the final normed hidden states [B, T, d]."""
+        [B, V] at each row's last fed token, a list of per-row counts n_b -> [B, max n, V] with
+        row b's last n_b positions first (a prefill chunk needs 1, a verify row all of them),
+        None -> no LM head at all. `hidden` also returns the final normed hidden states [B, T, d]."""
         widths = [len(x) for x in ids]
         if not widths or min(widths) < 1:
             raise ValueError("every row must feed at least one token")
-        batch = Batch.build(cache, rows, widths, self.device)
-        t = max(widths)
-        tok = torch.zeros((len(widths), t), dtype=torch.long)
-        for b, x in enumerate(ids):
-            tok[b, : len(x)] = torch.as_tensor(x, dtype=torch.long)
-        x = self.embed[tok.to(self.device)]  # [B, T, hidden]
-        cos, sin = self.rotary(batch.positions, batch.end)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"a row may appear once per forward, got rows {list(rows)}")
+        keep = _keep(logits, widths)
+        groups, where = _plan(cache, rows, widths, self.rotary, self.device)
+        tok = torch.zeros(sum(len(g.rows) * g.width for g in groups), dtype=torch.long)
+        for i, x in enumerate(ids):
+            tok[where[i][0] : where[i][0] + len(x)] = torch.as_tensor(x, dtype=torch.long)
+        x = self.embed[tok.to(self.device)]  # [N, hidden]: every group's [rows x width], packed
         aux: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             if li in self.aux_layers:
                 aux[li] = x
-            x = x + attention_block(layer, self.shape, cache, li, batch, layer.n1(x), cos, sin)
+            qkv = layer.qkv(layer.n1(x))
+            parts = [attend_qkv(self.shape, cache, li, g.batch,
+                                qkv[g.offset : g.offset + len(g.rows) * g.width].view(len(g.rows), g.width, -1),
+                                g.cos, g.sin).flatten(0, 1) for g in groups]
+            x = x + layer.o(parts[0] if len(parts) == 1 else torch.cat(parts))
             x = x + mlp_block(layer, layer.n2(x))
-        batch.commit(cache)
+        for g in groups:
+            g.batch.commit(cache)
+        t = max(widths)
+        # [B, T] packed positions of each row's tokens, a row's padding pointing at its last token
+        full = torch.tensor([w + [w[-1]] * (t - len(w)) for w in where], device=self.device)
         feats = None
         if features and self.aux_layers:
-            feats = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
-        out, normed = None, self.norm(x) if hidden or logits == "all" else None
-        if logits == "last":
-            last = torch.tensor([w - 1 for w in widths], device=self.device)
-            out = self.head(self.norm(x[torch.arange(len(widths), device=self.device), last]))  # [B, V]
-        elif logits == "all":
-            out = self.head(normed)  # [B, T, V]
-        elif logits is not None:
-            raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
-        return RunnerOutput(out, feats, normed if hidden else None)
+            feats = torch.cat([aux[i] for i in self.aux_layers], dim=-1)[full]
+        normed = self.norm(x[full]) if hidden else None
+        out = None
+        if keep is not None:
+            k = max(keep)
+            sel = torch.tensor([w[len(w) - n :] + [w[-1]] * (k - n) for w, n in zip(where, keep, strict=True)],
+                               device=self.device)  # [B, K]: each row's last keep[b] positions
+            out = self.head(self.norm(x[sel]))
+            if logits == "last":
+                out = out[:, 0]  # [B, V]
+        return RunnerOutput(out, feats, normed)
+
+
+def _keep(logits: str | Sequence[int] | None, widths: list[int]) -> list[int] | None:
+    """How many trailing positions of each row get logits."""
+    if logits is None:
+        return None
+    if logits == "all":
+        return widths
+    if logits == "last":
+        return [1] * len(widths)
+    if isinstance(logits, str):
+        raise ValueError(f"logits must be 'all', 'last', None or per-row counts, got {logits!r}")
+    keep = [int(n) for n in logits]
+    if len(keep) != len(widths) or any(not 1 <= n <= w for n, w in zip(keep, widths, strict=True)):
+        raise ValueError(f"per-row logits counts {keep} must give 1..width for each of the rows {widths}")
+    return keep

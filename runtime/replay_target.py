@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.target import Forward, pad_rows
+from runtime.target import Forward, Logits, pad_rows, row_logits
 from runtime.trace import RequestTrace
 
 
@@ -66,7 +66,7 @@ class ReplayTarget:
         st = self._rows[row]
         st.cached = min(st.cached, length)
 
-    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: str = "all",
+    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
         width = max(len(x) for x in ids)
         out, feats = [], []
@@ -77,7 +77,7 @@ class ReplayTarget:
                 raise ValueError("ReplayTarget: the prompt fed differs from the loaded trace")
             st.cached += len(x)
             lg = self._rows_logits(st, start + 1, len(x))  # position start + i + 1 follows fed token i
-            out.append(lg[-1] if logits == "last" else pad_rows(lg, width))
+            out.append(row_logits(lg, logits, len(out), width))
             if features:
                 if st.features is None:
                     raise ValueError("ReplayTarget: this drafter reads target features; replay it with a "

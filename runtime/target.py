@@ -32,6 +32,27 @@ from runtime.llama import LlamaRunner, unsupported_reason
 log = logging.getLogger(__name__)
 
 
+Logits = str | Sequence[int]  # "all", "last", or how many trailing positions of each row
+
+
+def row_logits(lg: torch.Tensor, logits: Logits, b: int, width: int) -> torch.Tensor:
+    """Row b's share of a forward's logits, from `lg` [fed tokens, V] (see Target.forward)."""
+    if logits == "last":
+        return lg[-1]
+    if logits == "all":
+        return pad_rows(lg, width)
+    return pad_rows(lg[len(lg) - logits[b] :], max(logits))
+
+
+def keep_counts(logits: Logits, widths: Sequence[int]) -> list[int]:
+    """Trailing positions of each row whose logits `logits` asks for."""
+    if logits == "all":
+        return list(widths)
+    if logits == "last":
+        return [1] * len(widths)
+    return list(logits)
+
+
 @dataclass
 class Forward:
     """What one target forward returns. Row b's entries past its own width are padding."""
@@ -49,10 +70,11 @@ class Target(Protocol):
     vocab_size: int
     feature_size: int  # width of a features row (EAGLE-3: 3 x hidden); 0 = cannot provide them
 
-    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: str = "all",
+    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
         """Feeds ids[i] after the cached positions of rows[i]. logits "all" -> [B, T, V],
-        "last" -> [B, V] at each row's last fed token."""
+        "last" -> [B, V] at each row's last fed token, per-row counts n_b -> [B, max n, V] with
+        row b's last n_b positions first (how the engine fuses prefill chunks into a verify step)."""
         ...
 
     def reset(self, row: int) -> None:
@@ -86,7 +108,7 @@ class LlamaTarget:
         self.feature_size = self.runner.feature_size
         self.cache = self.runner.new_cache(slots)
 
-    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: str = "all",
+    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
         self.cache.add_slots(max(rows) + 1)
         out = self.runner.forward(self.cache, rows, ids, logits=logits, features=features)
@@ -116,19 +138,18 @@ class HFTarget:
         self.feature_size = len(self.feature_layers) * int(model.config.hidden_size)
         self.caches: dict[int, DynamicCache] = {}
 
-    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: str = "all",
+    def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
         if not ids or min(len(x) for x in ids) < 1:
             raise ValueError("every row must feed at least one token")
         width = max(len(x) for x in ids)
+        keep = keep_counts(logits, [len(x) for x in ids])
         outs, feats = [], []
-        for row, x in zip(rows, ids, strict=True):
+        for b, (row, x) in enumerate(zip(rows, ids, strict=True)):
             cache = self.caches.setdefault(row, DynamicCache(config=self.model.config))
             out = self.model(input_ids=torch.tensor([list(x)], device=self.model.device), past_key_values=cache,
-                             use_cache=True, logits_to_keep=1 if logits == "last" else len(x),
-                             output_hidden_states=features)
-            lg = out.logits[0]  # [len(x) or 1, V]
-            outs.append(lg[-1] if logits == "last" else pad_rows(lg, width))
+                             use_cache=True, logits_to_keep=keep[b], output_hidden_states=features)
+            outs.append(row_logits(out.logits[0], logits, b, width))  # out.logits[0]: [keep[b], V]
             if features:
                 feats.append(pad_rows(torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1), width))
         return Forward(torch.stack(outs), torch.stack(feats) if features else None)

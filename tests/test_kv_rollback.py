@@ -10,7 +10,7 @@ from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
-from runtime.target import HFTarget, LlamaTarget
+from runtime.target import HFTarget, LlamaTarget, keep_counts
 from tests.drafting import draft
 from tests.models import tiny_llama
 
@@ -37,11 +37,12 @@ def checking(base: type):
 
         def forward(self, rows, ids, *, logits="all", features=False):
             got = super().forward(rows, ids, logits=logits, features=features)
+            keep = keep_counts(logits, [len(x) for x in ids])
             for b, (row, x) in enumerate(zip(rows, ids, strict=True)):
                 self.ids[row] += list(x)
-                want = fresh_logits(self.model, self.ids[row])[-len(x):]
-                torch.testing.assert_close(got.logits[b, : len(x)] if logits == "all" else got.logits[b],
-                                           want if logits == "all" else want[-1], rtol=1e-4, atol=1e-4)
+                want = fresh_logits(self.model, self.ids[row])[-keep[b]:]
+                torch.testing.assert_close(got.logits[b] if logits == "last" else got.logits[b, : keep[b]],
+                                           want[-1] if logits == "last" else want, rtol=1e-4, atol=1e-4)
                 if self._rejected.get(row):
                     self.checked_after_rejection += 1
             return got

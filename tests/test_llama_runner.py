@@ -73,6 +73,45 @@ def test_ragged_batch_equals_each_row_alone():
         torch.testing.assert_close(both[b, : len(nxt[b])], ref, rtol=1e-4, atol=1e-4)
 
 
+def test_prompt_chunks_packed_beside_decode_rows_equal_each_row_alone():
+    """Rows wider than NARROW_WIDTH (prompt chunks) attend on their own but share every linear
+    layer with the narrow (decode) rows; per-row logits counts return each row's last n positions."""
+    from runtime.llama import NARROW_WIDTH
+
+    model = tiny_llama(vocab=96, layers=2, hidden=32)
+    runner = LlamaRunner(model, aux_layers=(1,))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 7, 3)]
+    feeds = [[4, 5, 6], [9], torch.randint(3, 96, (NARROW_WIDTH + 9,), generator=g).tolist(),
+             torch.randint(3, 96, (NARROW_WIDTH + 2,), generator=g).tolist()]
+    keep = [3, 1, 1, 2]
+    solo = []
+    with torch.inference_mode():
+        for i, x in enumerate(feeds):
+            kv = runner.new_cache(1)
+            if i < len(prompts):
+                runner.forward(kv, [0], [prompts[i]], logits="last")
+            solo.append(runner.forward(kv, [0], [x], features=True))
+        kv = runner.new_cache(4)
+        runner.forward(kv, [0, 1, 2], prompts, logits="last")
+        both = runner.forward(kv, [0, 1, 2, 3], feeds, logits=keep, features=True)
+        assert kv.lengths == [8, 8, 3 + NARROW_WIDTH + 9, NARROW_WIDTH + 2]
+        assert both.logits.shape[:2] == (4, 3) and both.features.shape[:2] == (4, NARROW_WIDTH + 9)
+        for b, ref in enumerate(solo):
+            torch.testing.assert_close(both.logits[b, : keep[b]], ref.logits[0, len(feeds[b]) - keep[b]:],
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(both.features[b, : len(feeds[b])], ref.features[0], rtol=1e-4, atol=1e-4)
+        # the next decode step of every row still matches a fresh forward over its sequence
+        nxt = runner.forward(kv, [0, 1, 2, 3], [[7], [8], [9], [10]], logits="last").logits
+        for b in range(4):
+            ref_kv = runner.new_cache(1)
+            seq = (prompts[b] if b < len(prompts) else []) + feeds[b] + [7 + b]
+            ref = runner.forward(ref_kv, [0], [seq], logits="last").logits[0]
+            torch.testing.assert_close(nxt[b], ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="per-row logits counts"):
+        runner.forward(runner.new_cache(1), [0], [[1, 2]], logits=[3])
+
+
 def test_features_are_the_hidden_states_at_the_input_of_the_chosen_layers(stories):
     layers = default_feature_layers(stories.model.config.num_hidden_layers)
     assert layers == (0, 2, 4)  # stories260K has 5 layers: too few for EAGLE-3's (2, L/2, L-3)
