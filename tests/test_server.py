@@ -484,3 +484,39 @@ def test_serve_cli_bad_input_exits_2(tmp_path, capsys, monkeypatch):
     assert main(["serve", "--target", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "livedraft serve: error:" in err and "not found" in err and "Traceback" not in err
+
+
+def test_serve_suffix_drafts_from_the_traffic_already_in_the_stream(stories, tmp_path):
+    """`serve --drafter-kind suffix` reads the daemon's traffic cache (snapshot + stream tail), not
+    an empty tree: an output logged before it started is drafted on its first request."""
+    from online.config import Config
+    from online.stream import open_sink
+    from runtime.trace import RequestTrace
+
+    prompt = "Once upon a time, there was a dog named"
+    ids = stories.tokenizer(prompt).input_ids
+    out = hf_greedy(stories.model, ids, 32)
+    cfg = Config()
+    cfg.data_dir = str(tmp_path)
+    sink = open_sink(cfg)
+    sink.emit(RequestTrace(request_id="logged-1", prompt_ids=ids, output_ids=out, steps=[], target_model="t",
+                           drafter_version="-", max_new_tokens=32, finish_reason="length"))
+    sink.close(10)
+    env = {**os.environ, "LIVEDRAFT_DATA_DIR": str(tmp_path), "LIVEDRAFT_SERVE__TORCH_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "online.cli", "serve", "--target", str(stories.path), "--drafter-kind", "suffix",
+         "--k", "8", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"on (http://[\d.]+:\d+)", line)
+        assert m, f"no URL in {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+        status, body = complete(m.group(1), {"prompt": prompt, "max_tokens": 32})
+        assert status == 200 and body["livedraft"]["output_ids"] == out
+        # measured: ~7 (the logged output drafted whole); an empty tree drafts nothing on a first request
+        assert body["livedraft"]["stats"]["mean_acceptance_length"] > 4
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -14,7 +14,8 @@ from runtime.errors import LivedraftError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("drafter", help="drafter tools: init, train (eagle warm start), export")
+    p = sub.add_parser("drafter", help="drafter tools: init, train (eagle warm start), export, and the registry: "
+                                           "register, list, promote, rollback")
     dsub = p.add_subparsers(dest="drafter_command", required=True)
 
     init = dsub.add_parser("init", help="a new drafter for a target: derived layers (model) or an EAGLE-3 head (eagle)")

@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
-    p.add_argument("--drafter", help="drafter directory (kinds model, eagle, hybrid)")
+    p.add_argument("--drafter", help="drafter directory or models:/NAME@ALIAS (a model, eagle or crossvocab "
+                                     "drafter; with --drafter-kind hybrid, its learned half)")
     p.add_argument("--drafter-kind", help=f"{DRAFTER_KINDS_HELP} (default: the kind of the --drafter directory, "
                                           "model without one)")
     p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl ({\"prompt\": ...})")

@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--until", help="created before (epoch seconds or ISO 8601)")
     p.add_argument("--tag", help="only traces with this domain/tenant tag")
     p.add_argument("--drafter", action="append", default=[], metavar="D",
-                   help="drafter to score (repeat to compare): a model directory/GGUF/name, or a model-free "
-                        f"kind ({', '.join(MODEL_FREE)})")
+                   help="drafter to score (repeat to compare): a model, eagle or crossvocab directory (its kind "
+                        f"is detected), a GGUF/name, or a model-free kind ({', '.join(MODEL_FREE)})")
     p.add_argument("--drafter-kind", default="model", help=f"kind of every --drafter: {KINDS_HELP} (default model)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--k", type=int, default=4, help="fixed draft length (default 4)")

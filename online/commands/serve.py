@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-compatible), with drafter hot-swap")
     p.add_argument("--target", required=True, help="directory, GGUF file or smollm2-135m")
-    p.add_argument("--drafter", help="drafter directory (kinds model, eagle, hybrid)")
+    p.add_argument("--drafter", help="drafter directory or models:/NAME@ALIAS (a model, eagle or crossvocab "
+                                     "drafter; with --drafter-kind hybrid, its learned half)")
     p.add_argument("--drafter-kind", help=f"{DRAFTER_KINDS_HELP} (default: the kind of the --drafter directory; "
                                           "with --watch-registry and no --drafter, the registry's champion)")
     mode = p.add_mutually_exclusive_group()
@@ -67,16 +68,29 @@ def run(args: argparse.Namespace) -> int:
     replica = None
     path = resolve_drafter(args.drafter, cfg)
     kind = args.drafter_kind or (drafter_kind(path) if path else "model")
+    spec = DrafterConfig(kind=kind, path=path)
     if kind == "crossvocab" and cfg.cache.bridge_drafter:
         # the vocabulary bridge the daemon maintains: newest snapshot, then the stream tailed
         from online.cache import open_replica_cache
         from online.cache.maintainer import bridge_factory
 
         replica = open_replica_cache(cfg, fresh=bridge_factory(cfg, target.tokenizer))
+        spec.cache = replica.cache
+    elif kind in ("suffix", "ngram", "hybrid"):
+        # the traffic cache as the daemon maintains it ([cache] bounds and tenant scoping): its
+        # newest snapshot, then the stream tailed (this server's own traces included)
+        from online.cache import open_replica_cache
+        from online.cache.maintainer import drafter_config
+
+        if kind != "hybrid":
+            cfg.cache.kind = kind
+        replica = open_replica_cache(cfg, start=False)
+        while replica.step(timeout_s=0.2):  # caught up with the traffic logged so far, then tailing
+            pass
+        replica.start()
+        spec = drafter_config(cfg, replica.cache, kind=kind, path=path)
     if args.drafter or kind != "model" or not s.watch_registry:
-        initial = build_drafter(DrafterConfig(kind=kind, path=path,
-                                              cache=replica.cache if replica is not None else None),
-                                target, cfg.models.cache_dir)
+        initial = build_drafter(spec, target, cfg.models.cache_dir)
     source = None
     if s.watch_registry:
         from online.registry import DrafterRegistry
