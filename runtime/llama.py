@@ -12,10 +12,12 @@ same arithmetic straight off the model's weights:
   cached length, so it is overwritten before anything reads it;
 - fused q/k/v and gate/up projections, a cached rotary table, SDPA with
   grouped KV heads;
-- on CPU in float32, weights prepacked once for oneDNN (`mkldnn` linear): at
-  the 2-16 rows a verify step feeds, MKL's `F.linear` repacks the weight on
+- on CPU in float32, weights also prepacked once for oneDNN (`mkldnn` linear):
+  at the 2-16 rows a verify step feeds, MKL's `F.linear` repacks the weight on
   every call and costs ~2x a one-row call; the prepacked kernel stays close
-  to the one-row cost, which is what makes verifying k+1 tokens cheap;
+  to the one-row cost, which is what makes verifying k+1 tokens cheap. Which
+  kernel wins at few rows depends on the CPU, so it is measured once per
+  weight shape (`packed_wins`) and each call takes the faster one;
 - optionally the residual stream at the input of chosen layers (the fused
   low/middle/high features an EAGLE-3 drafter reads), at no extra compute.
 
@@ -26,7 +28,9 @@ Outputs match the Hugging Face forward to float rounding (tests/test_llama_runne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,14 +64,49 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+# Row counts (of the input's flattened rows) at which the kernel choice is measured; beyond
+# the last, the prepacked kernel is used.
+_CALIBRATED_ROWS = (1, 2, 3, 4, 6, 8)
+
+
+@functools.cache
+def packed_wins(in_features: int, out_features: int, threads: int) -> tuple[bool, ...]:
+    """For each of _CALIBRATED_ROWS: whether oneDNN's prepacked kernel beats `F.linear` (MKL) on
+    this CPU for an [out, in] float32 weight, measured once per shape and thread count (best of 5).
+    Which wins depends on the CPU: on AVX2 parts MKL repacks the weight on every call and the
+    prepacked kernel wins from one row on; on AVX-512/AMX parts MKL wins at a single row."""
+    w = torch.randn(out_features, in_features) * 0.02
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+
+    def best(fn: Callable[[], torch.Tensor]) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    out = []
+    with torch.inference_mode():
+        for rows in _CALIBRATED_ROWS:
+            x = torch.randn(rows, in_features)
+            mkl = best(lambda x=x: F.linear(x, w))
+            onednn = best(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            out.append(onednn <= mkl)
+    return tuple(out)
+
+
 class Linear:
-    """y = x W^T + b, with W prepacked for oneDNN where that is faster (CPU, float32)."""
+    """y = x W^T + b, with W also prepacked for oneDNN where that can be faster (CPU, float32):
+    each call takes the kernel measured fastest for its row count (`packed_wins`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool | None = None) -> None:
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
         if pack is None:
             pack = packing_available(weight.device, weight.dtype)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_ROWS_HINT) if pack else None
+        self._wins = packed_wins(self.weight.shape[1], self.weight.shape[0], torch.get_num_threads()) if pack else ()
 
     @classmethod
     def of(cls, *linears: torch.nn.Linear, pack: bool | None = None) -> Linear:
@@ -85,9 +124,15 @@ class Linear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
+        if self._packed is not None and self._use_packed(x.numel() // x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _use_packed(self, rows: int) -> bool:
+        for n, wins in zip(_CALIBRATED_ROWS, self._wins, strict=True):
+            if rows <= n:
+                return wins
+        return True
 
 
 class KVCache:

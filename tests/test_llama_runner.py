@@ -161,10 +161,25 @@ def test_long_sequence_past_initial_capacity():
 
 
 @pytest.mark.parametrize("pack", [True, False])
-def test_linear_packed_or_plain_equals_f_linear(pack):
-    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(3, 5, 24)
-    torch.testing.assert_close(Linear(w, b, pack=pack)(x), torch.nn.functional.linear(x, w, b),
-                               rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("wins", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 15])
+def test_linear_packed_or_plain_equals_f_linear(pack, wins, rows):
+    """Whichever kernel the calibration picks for a row count computes the same projection."""
+    from runtime.llama import _CALIBRATED_ROWS
+
+    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(rows, 1, 24)
+    lin = Linear(w, b, pack=pack)
+    if pack:
+        lin._wins = (wins,) * len(_CALIBRATED_ROWS)
+        assert lin._use_packed(rows) == (wins or rows > _CALIBRATED_ROWS[-1])
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_calibration_covers_every_row_count():
+    from runtime.llama import _CALIBRATED_ROWS, packed_wins
+
+    wins = packed_wins(24, 40, torch.get_num_threads())
+    assert len(wins) == len(_CALIBRATED_ROWS) and all(isinstance(w, bool) for w in wins)
 
 
 def test_unsupported_models_fall_back_to_hf_forward():
