@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--eval-every", type=int, default=150)
+    ap.add_argument("--sampled", type=int, default=0,
+                    help="extra answers per training prompt, sampled at --temperature (more data; held-out stays greedy)")
+    ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help=THREADS_HELP)
     ap.add_argument("--out", default="bench/results/eagle-smol")
@@ -55,13 +58,18 @@ def main() -> None:
 
     def answered(n: int) -> None:
         done[0] += n
-        print(f"  target answered {done[0]}/{len(pool)} prompts ({time.perf_counter() - t0:.0f}s)", flush=True)
+        total = len(pool) + args.sampled * args.requests
+        print(f"  target answered {done[0]}/{total} prompts ({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    traces = answer_prompts(target, [chat_ids(target, p) for p in pool], args.max_new_tokens, progress=answered)
-    gen_s = time.perf_counter() - t0
-    tokens = sum(len(t.output_ids) for t in traces)
-    print(f"target answers: {len(traces)} requests, {tokens} tokens in {gen_s:.0f}s", flush=True)
+    ids = [chat_ids(target, p) for p in pool]
+    traces = answer_prompts(target, ids, args.max_new_tokens, progress=answered)
     train, heldout = traces[: args.requests], traces[args.requests:]
+    for n in range(args.sampled):
+        train += answer_prompts(target, ids[: args.requests], args.max_new_tokens, progress=answered,
+                                temperature=args.temperature, seed=(n + 1) * 1_000_003)
+    gen_s = time.perf_counter() - t0
+    tokens = sum(len(t.output_ids) for t in train + heldout)
+    print(f"target answers: {len(train) + len(heldout)} requests, {tokens} tokens in {gen_s:.0f}s", flush=True)
     cfg = TrainerConfig(steps=1_000_000, max_seconds=args.minutes * 60, batch_size=args.batch_size, lr=args.lr,
                         ce_weight=0.2, warmup_steps=20, draft_vocab=args.draft_vocab)
 
@@ -74,6 +82,7 @@ def main() -> None:
     res = warm_start(target, train, heldout, out, cfg, k=args.k, eval_every=args.eval_every,
                      version="eagle-warm", on_progress=progress)
     summary = {"target": target.model_id, "train_requests": len(train), "heldout_requests": len(heldout),
+               "sampled_per_prompt": args.sampled, "temperature": args.temperature if args.sampled else None,
                "max_new_tokens": args.max_new_tokens, "generate_seconds": round(gen_s, 1),
                "feature_seconds": round(res.feature_seconds, 1), "train_seconds": round(res.train_seconds, 1),
                "steps": res.steps, "k": args.k, "threads": args.threads,

@@ -264,3 +264,15 @@ def test_a_time_bounded_run_anneals_its_learning_rate():
     assert lr_factor(50, 0.5, 10) == pytest.approx(0.55)
     assert lr_factor(50, 1.0, 10) == pytest.approx(0.1)
     assert lr_factor(50, 3.0, 10) == pytest.approx(0.1)
+
+
+def test_sampled_answers_are_seeded_and_logged_as_sampled(stories):
+    from online.trainer.warmstart import answer_prompts
+
+    ids = [stories.tokenizer(p).input_ids for p in ("Once upon a time", "Tom had a red ball. He", "One day")]
+    a = answer_prompts(stories, ids, 12, temperature=1.0, seed=5)
+    b = answer_prompts(stories, ids, 12, temperature=1.0, seed=5)
+    greedy = answer_prompts(stories, ids, 12)
+    assert [t.output_ids for t in a] == [t.output_ids for t in b]
+    assert [t.output_ids for t in a] != [t.output_ids for t in greedy]
+    assert all(t.temperature == 1.0 and not t.greedy for t in a) and all(t.greedy for t in greedy)

@@ -40,13 +40,16 @@ log = logging.getLogger(__name__)
 
 
 def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, batch: int = 16,
-                   progress: Callable[[int], None] | None = None) -> list[RequestTrace]:
-    """The target's greedy answers (traces as serving logs them), `batch` requests decoded together."""
+                   progress: Callable[[int], None] | None = None, temperature: float = 0.0,
+                   seed: int = 0) -> list[RequestTrace]:
+    """The target's answers (traces as serving logs them), `batch` requests decoded together:
+    greedy, or sampled at `temperature` (prompt i seeded with seed + i, so reproducible)."""
     engine = SpeculativeEngine.for_model(target, NoDrafter(), EngineConfig(max_batch=batch, topk_logprobs=0))
-    params = SamplingParams(max_new_tokens=max_new_tokens)
     out: list[RequestTrace] = []
     for i in range(0, len(prompts), batch * 4):
         chunk = prompts[i : i + batch * 4]
+        params = [SamplingParams(max_new_tokens, temperature, 1.0, None if temperature == 0 else seed + i + j)
+                  for j in range(len(chunk))]
         out += [r.trace for r in engine.generate_batch(list(chunk), params)]
         if progress is not None:
             progress(len(chunk))
