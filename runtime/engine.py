@@ -138,6 +138,7 @@ class SpeculativeEngine:
         # free row -> (tokens its KV cache holds, their target features or None): left by the
         # request that last ran there, for the next one to reuse (EngineConfig.reuse_prefix)
         self._row_cache: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        self._reuse = self.config.reuse_prefix and getattr(target, "cached", None) is not None
         self.prompt_tokens = 0  # prompt tokens of admitted requests
         self.reused_prompt_tokens = 0  # of which came from a row's cache, not a forward
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
@@ -186,7 +187,7 @@ class SpeculativeEngine:
         shared = self._acceptance.setdefault(drafter.version, AcceptanceCounts())
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
                        DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self._device())
-        req.log_features = self.config.reuse_prefix and drafter.uses_features
+        req.log_features = self._reuse and drafter.uses_features
         req.drafter.begin(req.id, req.prompt, tag=tag)
         self._waiting.append(req)
         return req.id
@@ -311,7 +312,7 @@ class SpeculativeEngine:
         """Gives `req` a free row: the one whose cache shares the longest prefix with its prompt,
         keeping that prefix (at least the prompt's last token is always fed: its logits are needed)."""
         best, keep, feats = self._free_rows[-1], 0, None
-        if self.config.reuse_prefix and getattr(self.target, "cached", None) is not None:
+        if self._reuse:
             for row in reversed(self._free_rows):
                 tokens, row_feats = self._row_cache.get(row, ((), None))
                 if req.drafter.uses_features and row_feats is None:
@@ -457,9 +458,8 @@ class SpeculativeEngine:
             req.drafter.end(req.id, output)
         finally:
             if req.row >= 0:
-                if output is not None and self.config.reuse_prefix:
-                    cached = getattr(self.target, "cached", None)
-                    n = min(cached(req.row), len(req.context)) if cached is not None else 0
+                if output is not None and self._reuse:
+                    n = min(self.target.cached(req.row), len(req.context))  # type: ignore[attr-defined]
                     feats = req.feature_log(n) if req.drafter.uses_features else None
                     self._row_cache[req.row] = (req.context[:n], feats)
                 self._free_rows.append(req.row)
