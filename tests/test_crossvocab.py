@@ -115,17 +115,6 @@ def test_tiny_random_models_with_different_tokenizers_are_lossless(tokenizers_pa
     assert drafted > 0
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from runtime.errors import ModelLoadError
-    from runtime.loader import load_model
-
-    try:
-        return load_model("smollm2-135m")
-    except ModelLoadError as e:
-        pytest.skip(f"SmolLM2-135M not available: {e}")
-
-
 def test_stories260k_drafts_losslessly_for_smollm2(stories, smollm2):
     bridge = VocabBridge(target_tokenizer=smollm2.tokenizer, drafter_tokenizer=stories.tokenizer)
     xv = CrossVocabDrafter(stories.model, stories.tokenizer, smollm2.tokenizer, bridge=bridge)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from runtime.drafters.base import Draft, DraftRow
 from runtime.drafters.eagle import EagleHead, FeatureDrafter
 from runtime.drafters.factory import DrafterConfig, build_drafter, load_feature_drafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
-from runtime.errors import ModelLoadError
+from runtime.errors import LivedraftError, ModelLoadError
 from runtime.sinks import MemorySink
 from runtime.target import LlamaTarget
 from tests.models import loaded, tiny_llama
@@ -276,3 +277,55 @@ def test_sampled_answers_are_seeded_and_logged_as_sampled(stories):
     assert [t.output_ids for t in a] == [t.output_ids for t in b]
     assert [t.output_ids for t in a] != [t.output_ids for t in greedy]
     assert all(t.temperature == 1.0 and not t.greedy for t in a) and all(t.greedy for t in greedy)
+
+
+def test_synthesized_prompts_are_the_chat_targets_own_user_turns(smollm2):
+    from online.trainer.warmstart import synthesize_prompts, user_turn_prefix
+
+    tok = smollm2.tokenizer
+    prefix = tok.decode(user_turn_prefix(tok))
+    assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix
+    a = synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3)
+    assert len(a) == len(set(a)) == 3
+    assert all(len(p) >= 12 and "<|im_" not in p and p == p.strip() for p in a)
+    assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3) == a  # seeded
+    assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=4) != a
+
+
+def test_synthesizing_needs_a_chat_template_and_turns_that_end(stories, smollm2):
+    from online.trainer.warmstart import synthesize_prompts
+
+    with pytest.raises(LivedraftError, match="no chat template"):
+        synthesize_prompts(stories, 2)
+    with pytest.raises(LivedraftError, match="rarely ends a user turn"):
+        synthesize_prompts(smollm2, 2, max_prompt_tokens=1, min_chars=100)
+
+
+def test_drafter_train_cli_from_a_prompts_file(stories, tmp_path, capsys):
+    from online.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(["Once upon a time", "Tom had a red ball. He", "One day, a little girl",
+                                  "The cat sat on the mat and", "Lily and Ben went to the park."]) + "\n")
+    out = tmp_path / "head"
+    assert main(["drafter", "train", "--target", str(stories.path), "--prompts", str(prompts), "--out", str(out),
+                 "--steps", "3", "--heldout", "1", "--max-new-tokens", "12", "--draft-vocab", "128",
+                 "--eval-every", "0"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["steps"] == 3 and res["train_traces"] == 4 and res["heldout_traces"] == 1
+    assert res["heldout_mean_acceptance_length"] >= 1.0 and (out / "config.json").is_file()
+
+
+def test_drafter_train_cli_synthesizes_prompts(smollm2, tmp_path, capsys):
+    from online.cli import main
+
+    out = tmp_path / "head"
+    assert main(["drafter", "train", "--target", "smollm2-135m", "--synthesize", "0", "--out", str(out)]) == 2
+    assert "--synthesize needs a positive number" in capsys.readouterr().err
+    assert main(["drafter", "train", "--target", "smollm2-135m", "--synthesize", "5", "--out", str(out),
+                 "--steps", "2", "--heldout", "1", "--max-new-tokens", "8", "--draft-vocab", "256",
+                 "--eval-every", "0"]) == 0
+    captured = capsys.readouterr()
+    res = json.loads(captured.out.strip().splitlines()[-1])
+    assert res["train_traces"] == 4 and res["heldout_traces"] == 1 and res["steps"] == 2
+    assert "target writes prompts" in captured.err and (out / "config.json").is_file()

@@ -38,10 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = train.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help=".txt (one per line) or .jsonl ({\"prompt\": ...}); the target answers them")
     src.add_argument("--traffic", help="logged traces: a store URL or a JSONL export")
+    src.add_argument("--synthesize", type=int, metavar="N",
+                     help="the target writes N user prompts itself (Magpie: sampled from its chat template's user "
+                          "turn) and answers them: a head for a chat model before any traffic exists")
     train.add_argument("--out", required=True, help="output directory (an Eagle3 drafter)")
     train.add_argument("--init", help="start from this Eagle3 head instead of a new one")
     train.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
-    train.add_argument("--max-new-tokens", type=int, default=64, help="answer length for --prompts (default 64)")
+    train.add_argument("--max-new-tokens", type=int, default=64, help="answer length for --prompts and --synthesize (default 64)")
     train.add_argument("--limit", type=int, help="--traffic: the most recent N traces")
     train.add_argument("--heldout", type=int, default=32, help="newest traces held out for the acceptance curve")
     train.add_argument("--minutes", type=float, default=0.0, help="training time budget (0: --steps only)")
@@ -138,6 +141,18 @@ def train_drafter(args: argparse.Namespace) -> int:
         if target.tokenizer is None:
             raise LivedraftError(f"target {args.target} has no tokenizer: give --traffic instead of --prompts")
         prompts = [encode(target.tokenizer, p, args.chat) for p in read_prompts(args.prompts)]
+        bar = tqdm(total=len(prompts), desc="target answers", unit="req", file=sys.stderr)
+        traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
+        bar.close()
+    elif args.synthesize is not None:
+        from online.trainer.warmstart import synthesize_prompts
+
+        if args.synthesize <= 0:
+            raise LivedraftError(f"--synthesize needs a positive number of prompts, got {args.synthesize}")
+        bar = tqdm(total=args.synthesize, desc="target writes prompts", unit="prompt", file=sys.stderr)
+        texts = synthesize_prompts(target, args.synthesize, progress=bar.update)
+        bar.close()
+        prompts = [encode(target.tokenizer, p, True) for p in texts]
         bar = tqdm(total=len(prompts), desc="target answers", unit="req", file=sys.stderr)
         traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
         bar.close()

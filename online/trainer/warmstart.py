@@ -33,6 +33,7 @@ from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleHead, FeatureDrafter, check_head_matches_target
 from runtime.drafters.none import NoDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.errors import LivedraftError
 from runtime.loader import LoadedModel
 from runtime.trace import RequestTrace
 
@@ -54,6 +55,55 @@ def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_to
         if progress is not None:
             progress(len(chunk))
     return out
+
+
+
+_MARKER = "\u2063LIVEDRAFT_USER_TURN\u2063"
+
+
+def user_turn_prefix(tokenizer: object) -> list[int]:
+    """The chat template's tokens up to where a user's message begins (its system turn, if the
+    template adds one by default, included): what `synthesize_prompts` continues from."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise LivedraftError("the target's tokenizer has no chat template: prompts cannot be synthesized from it")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False,
+                                         add_generation_prompt=True)
+    if _MARKER not in text:
+        raise LivedraftError("the target's chat template does not echo the user's message: cannot find where a "
+                             "user turn begins")
+    return list(tokenizer(text[: text.index(_MARKER)], add_special_tokens=False).input_ids)
+
+
+def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 96, temperature: float = 1.0,
+                       seed: int = 0, batch: int = 16, min_chars: int = 12,
+                       progress: Callable[[int], None] | None = None) -> list[str]:
+    """`n` distinct user prompts written by the instruct target itself (Magpie, Xu et al. 2024):
+    the chat template up to the start of a user turn, sampled at `temperature` until the turn
+    ends. A model's own user turns follow the distribution its instruction tuning saw, so a head
+    warm-started on them is not tied to one prompt template. Kept: turns that ended (end of
+    turn within `max_prompt_tokens`), at least `min_chars` long, each once; sampling goes on, in
+    seeded rounds, until `n` are kept (at most 8 rounds of n, else a LivedraftError)."""
+    if n <= 0:
+        return []
+    tok = target.tokenizer
+    if tok is None:
+        raise LivedraftError(f"target {target.model_id} has no tokenizer: prompts cannot be synthesized")
+    prefix = user_turn_prefix(tok)
+    kept: dict[str, None] = {}
+    for rnd in range(8):
+        traces = answer_prompts(target, [prefix] * (n - len(kept)), max_prompt_tokens, batch=batch,
+                                temperature=temperature, seed=seed + rnd * 1_000_003)
+        for t in traces:
+            text = tok.decode(t.output_ids, skip_special_tokens=True).strip()
+            if t.finish_reason == "stop" and len(text) >= min_chars and text not in kept and len(kept) < n:
+                kept[text] = None
+                if progress is not None:
+                    progress(1)
+        if len(kept) >= n:
+            return list(kept)
+    raise LivedraftError(f"synthesized only {len(kept)} of {n} distinct prompts in 8 rounds: the target rarely "
+                         f"ends a user turn within {max_prompt_tokens} tokens (raise max_prompt_tokens)")
 
 
 @dataclass
