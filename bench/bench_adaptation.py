@@ -29,7 +29,8 @@ have logged (steps, soft labels at rejections) is what the trainer learns from.
 An eagle head replays through the engine loop (online.replay) with the target's
 features from one teacher-forced pass per request, as the production trainer does.
 
-    nice -n 10 python -m bench.bench_adaptation            # table + bench/results/adaptation.{json,png}
+    nice -n 10 python -m bench.bench_adaptation            # table + bench/results/adaptation-eagle.{json,png}
+    nice -n 10 python -m bench.bench_adaptation --kind model   # bench/results/adaptation.{json,png}
 """
 
 from __future__ import annotations
@@ -126,8 +127,10 @@ def main() -> None:
     ap.add_argument("--kind", choices=("eagle", "model"), default="eagle")
     ap.add_argument("--init-minutes", type=float, default=5.0, help="eagle: offline warm start of the initial head")
     ap.add_argument("--init-requests", type=int, default=200, help="eagle: topics prompts of that warm start")
-    ap.add_argument("--out", default="bench/results/adaptation")
+    ap.add_argument("--out", help="result prefix (default: bench/results/adaptation-eagle, or bench/results/adaptation "
+                                  "for --kind model)")
     args = ap.parse_args()
+    args.out = args.out or ("bench/results/adaptation-eagle" if args.kind == "eagle" else "bench/results/adaptation")
     for key, model, eagle in (("steps", 14, 16), ("batch_size", 4, 8), ("lr", 1e-3, 5e-4)):
         if getattr(args, key) is None:
             setattr(args, key, eagle if args.kind == "eagle" else model)
