@@ -166,19 +166,13 @@ def make_data(target, args, path: Path) -> tuple[list[RequestTrace], list[Reques
 
 def replay_heldout(target, head_dir: Path, traces: list[RequestTrace], k: int) -> dict:
     """Teacher-forced replay of `traces` with the head in `head_dir` at draft length k."""
-    from online.replay import replay_traces
     from online.trainer.round import target_passes
-    from runtime.adaptive import DraftLengthConfig
-    from runtime.drafters.eagle import EagleConfig
-    from runtime.drafters.factory import load_feature_drafter
+    from online.trainer.warmstart import heldout_acceptance
+    from runtime.drafters.eagle import EagleHead
 
-    passes = target_passes(target, EagleConfig.read(head_dir).aux_layers, traces)
-    rep = replay_traces(traces, load_feature_drafter(head_dir, target, version="eval"),
-                        length=DraftLengthConfig(k=k), vocab_size=target.vocab_size,
-                        features=lambda t: passes[t.request_id].features)
-    pos = rep.stats.per_position_acceptance
-    return {"requests": len(traces), "mean_acceptance_length": round(rep.stats.mean_acceptance_length, 3),
-            "first_token_acceptance": round(pos[0], 3) if pos else 0.0}
+    head = EagleHead.load(head_dir, dtype=target.model.dtype, device=target.model.device)
+    mal, first = heldout_acceptance(head, target, traces, target_passes(target, head.config.aux_layers, traces), k)
+    return {"requests": len(traces), "mean_acceptance_length": round(mal, 3), "first_token_acceptance": round(first, 3)}
 
 
 if __name__ == "__main__":

@@ -134,25 +134,23 @@ def train_drafter(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.synthesize is not None and args.synthesize <= 0:
+        raise LivedraftError(f"--synthesize needs a positive number of prompts, got {args.synthesize}")
     out = Path(args.out)
     _check_empty(out)
     target = load_target(args.target, cfg, args)
-    if args.prompts:
-        if target.tokenizer is None:
-            raise LivedraftError(f"target {args.target} has no tokenizer: give --traffic instead of --prompts")
-        prompts = [encode(target.tokenizer, p, args.chat) for p in read_prompts(args.prompts)]
-        bar = tqdm(total=len(prompts), desc="target answers", unit="req", file=sys.stderr)
-        traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
-        bar.close()
-    elif args.synthesize is not None:
-        from online.trainer.warmstart import synthesize_prompts
+    if args.prompts or args.synthesize is not None:
+        if args.prompts:
+            if target.tokenizer is None:
+                raise LivedraftError(f"target {args.target} has no tokenizer: give --traffic instead of --prompts")
+            prompts = [encode(target.tokenizer, p, args.chat) for p in read_prompts(args.prompts)]
+        else:
+            from online.trainer.warmstart import synthesize_prompts
 
-        if args.synthesize <= 0:
-            raise LivedraftError(f"--synthesize needs a positive number of prompts, got {args.synthesize}")
-        bar = tqdm(total=args.synthesize, desc="target writes prompts", unit="prompt", file=sys.stderr)
-        texts = synthesize_prompts(target, args.synthesize, progress=bar.update)
-        bar.close()
-        prompts = [encode(target.tokenizer, p, True) for p in texts]
+            bar = tqdm(total=args.synthesize, desc="target writes prompts", unit="prompt", file=sys.stderr)
+            prompts = [encode(target.tokenizer, p, True)
+                       for p in synthesize_prompts(target, args.synthesize, progress=bar.update)]
+            bar.close()
         bar = tqdm(total=len(prompts), desc="target answers", unit="req", file=sys.stderr)
         traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
         bar.close()

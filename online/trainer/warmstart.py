@@ -57,7 +57,6 @@ def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_to
     return out
 
 
-
 _MARKER = "\u2063LIVEDRAFT_USER_TURN\u2063"
 
 
