@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--sampled", type=int, default=0,
                     help="extra answers per training prompt, sampled at --temperature (more data; held-out stays greedy)")
     ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                    help="bf16: the head's matmuls in bfloat16 (TrainerConfig.mixed_precision)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help=THREADS_HELP)
     ap.add_argument("--out", default="bench/results/eagle-smol")
@@ -73,7 +75,8 @@ def main() -> None:
     if args.data_only:
         return
     cfg = TrainerConfig(steps=1_000_000, max_seconds=args.minutes * 60, batch_size=args.batch_size, lr=args.lr,
-                        ce_weight=0.2, warmup_steps=20, draft_vocab=args.draft_vocab)
+                        ce_weight=0.2, warmup_steps=20, draft_vocab=args.draft_vocab,
+                        mixed_precision=args.mixed_precision)
 
     def progress(event: str, data: dict) -> None:
         if event == "eval":
@@ -89,7 +92,7 @@ def main() -> None:
                "bench_engine_prompts": bench_eval, "sampled_per_prompt": args.sampled, "temperature": args.temperature if args.sampled else None,
                "max_new_tokens": args.max_new_tokens, "generate_seconds": round(gen_s, 1),
                "feature_seconds": round(res.feature_seconds, 1), "train_seconds": round(res.train_seconds, 1),
-               "steps": res.steps, "k": args.k, "threads": args.threads,
+               "steps": res.steps, "mixed_precision": args.mixed_precision, "k": args.k, "threads": args.threads,
                "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
                "curve": [p.__dict__ for p in res.curve]}
     (out / "bench_summary.json").write_text(json.dumps(summary, indent=2))

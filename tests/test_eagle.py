@@ -267,6 +267,39 @@ def test_a_time_bounded_run_anneals_its_learning_rate():
     assert lr_factor(50, 3.0, 10) == pytest.approx(0.1)
 
 
+def test_bf16_mixed_precision_computes_the_same_loss_and_learns(stories, stories_eagle_init_dir, eagle_traffic):
+    """trainer.mixed_precision = "bf16": the head's matmuls run in bfloat16 (the loss moves by
+    bf16 rounding, not more), its gradients point the same way, the weights stay fp32, and a
+    short run lowers the loss as an fp32 run does."""
+    from online.config import TrainerConfig
+    from online.trainer.distill import TrainingError, check_config
+    from online.trainer.eagle import TTTLoss, autocast, make_examples, train_head
+
+    traces = eagle_traffic[:16]
+    head = EagleHead.load(stories_eagle_init_dir)
+    examples = make_examples(traces, FeatureExtractor(stories, head.config.aux_layers)(traces), TrainerConfig())
+    embed = stories.model.get_input_embeddings().weight
+    lm = stories.model.get_output_embeddings().weight
+    results = {}
+    for mode in ("no", "bf16"):
+        cfg = TrainerConfig(mixed_precision=mode)
+        head.zero_grad(set_to_none=True)
+        with autocast(cfg, torch.device("cpu")):
+            loss, _ = TTTLoss(head, embed, lm, cfg)(examples[:8])
+        loss.backward()
+        results[mode] = (float(loss.detach()), torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None]))
+    (l32, g32), (l16, g16) = results["no"], results["bf16"]
+    assert l16 != l32 and abs(l16 - l32) / l32 < 0.02, (l32, l16)  # bf16 engaged, and only rounding apart
+    assert torch.nn.functional.cosine_similarity(g32, g16, dim=0) > 0.98
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+
+    cfg = TrainerConfig(steps=30, batch_size=8, lr=2e-3, mixed_precision="bf16")
+    stats = train_head(head, examples, embed, lm, cfg)
+    assert sum(stats.losses[-5:]) < 0.8 * sum(stats.losses[:5]), stats.losses
+    with pytest.raises(TrainingError, match="mixed_precision 'fp8' is unknown"):
+        check_config(TrainerConfig(mixed_precision="fp8"))
+
+
 def test_sampled_answers_are_seeded_and_logged_as_sampled(stories):
     from online.trainer.warmstart import answer_prompts
 

@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--draft-vocab", type=int, default=8192)
+    train.add_argument("--mixed-precision", choices=("no", "bf16"),
+                       help="bf16: the head's matmuls in bfloat16, weights and loss in fp32 (faster on CPUs with "
+                            "AVX512-BF16/AMX and on GPUs; default: trainer.mixed_precision of the config)")
     train.add_argument("--k", type=int, default=4, help="draft length of the held-out replay (default 4)")
     train.add_argument("--eval-every", type=int, default=100, help="held-out replay every N steps (0: at the end)")
     train.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -163,6 +166,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     tcfg = cfg.trainer
     tcfg.steps, tcfg.batch_size, tcfg.lr = args.steps, args.batch_size, args.lr
     tcfg.max_seconds, tcfg.draft_vocab = args.minutes * 60, args.draft_vocab
+    tcfg.mixed_precision = args.mixed_precision or tcfg.mixed_precision
     bars: dict[str, tqdm] = {}
     held_mal = "-"
 

@@ -148,6 +148,9 @@ def distill(
                          sum(len(e.ids) - 1 - e.first_output_row for e in examples))
 
 
+MIXED_PRECISION = ("no", "bf16")
+
+
 def check_config(cfg: TrainerConfig) -> None:
     """Raises TrainingError naming the bad [trainer] key."""
     if cfg.loss not in DIVERGENCES:
@@ -161,6 +164,9 @@ def check_config(cfg: TrainerConfig) -> None:
                 "warmup_steps", "ngram_weight"):
         if getattr(cfg, key) < 0:
             raise TrainingError(f"[trainer] {key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.mixed_precision not in MIXED_PRECISION:
+        raise TrainingError(f"[trainer] mixed_precision {cfg.mixed_precision!r} is unknown: choose one of "
+                            f"{list(MIXED_PRECISION)}")
     if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):
         raise TrainingError("[trainer] lora needs lora_r >= 1 and a non-empty lora_target_modules")
 

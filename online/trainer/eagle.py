@@ -192,7 +192,7 @@ class TTTLoss:
             feats[i, : m - 1] = e.features[:-1]
             hidden[i, : m - 1] = e.hidden[1:]  # row t's target: the distribution at position t + 1
             weights[i, : m - 1] = e.weights[1:]
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # soft labels stay full precision
             target_lp = torch.log_softmax((hidden @ self.target_rows.T).float(), dim=-1)  # [B, T, V_draft]
         emb = self.embed[ids]  # [B, N + 1, d]
         h = self.head.fuse(feats)  # [B, T, d]
@@ -287,7 +287,8 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
             progress = max(progress, (time.perf_counter() - t0 - paused) / cfg.max_seconds)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(step, progress, cfg.warmup_steps)
-        loss, parts = loss_fn(next(batches))
+        with autocast(cfg, params[0].device):
+            loss, parts = loss_fn(next(batches))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.max_grad_norm > 0:
@@ -304,6 +305,12 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
             break
     head.eval()
     return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples))
+
+
+def autocast(cfg: TrainerConfig, device: torch.device) -> torch.autocast:
+    """The forward's precision: bfloat16 matmuls under cfg.mixed_precision = "bf16" (the weights,
+    the optimizer state and the loss's softmaxes stay fp32), otherwise the head's own dtype."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
 
 
 def lr_factor(step: int, progress: float, warmup: int) -> float:
@@ -383,7 +390,7 @@ def distill_eagle(
     training = {"kind": "eagle", "steps_done": stats.steps, "seconds": round(stats.seconds, 3),
                 "traces": len(ok), "created_at": time.time(),
                 **{k: getattr(cfg, k) for k in ("lr", "batch_size", "ttt_steps", "ttt_decay", "ce_weight",
-                                                "prompt_weight", "rejected_weight", "seed")}}
+                                                "prompt_weight", "rejected_weight", "mixed_precision", "seed")}}
     meta = {**(provenance or {}), "version": version, "parent_version": parent_version, "training": training}
     tmp = out.parent / f".{out.name}-tmp"
     save_head(head, tmp, meta)
