@@ -31,7 +31,7 @@ from pathlib import Path
 from bench.traffic import THREADS_HELP, chat_ids, prompt_pool, start_run
 from online.config import TrainerConfig
 from online.events import trace_from_json, trace_to_json
-from online.trainer.warmstart import answer_prompts, synthesize_prompts, warm_start
+from online.trainer.warmstart import answer_prompts, sampled_answers, synthesize_prompts, warm_start
 from runtime.loader import load_model
 from runtime.trace import RequestTrace
 
@@ -152,9 +152,7 @@ def make_data(target, args, path: Path) -> tuple[list[RequestTrace], list[Reques
     bench_ids = [chat_ids(target, p) for p in PROMPTS]
     total = len(train_ids) * (1 + args.sampled) + len(held_ids) + len(bench_ids)
     train = answer_prompts(target, train_ids, args.max_new_tokens, progress=answered)
-    for n in range(args.sampled):
-        train += answer_prompts(target, train_ids, args.max_new_tokens, progress=answered,
-                                temperature=args.temperature, seed=(n + 1) * 1_000_003)
+    train += sampled_answers(target, train_ids, args.max_new_tokens, args.sampled, args.temperature, progress=answered)
     heldout = answer_prompts(target, held_ids, args.max_new_tokens, progress=answered)
     bench = answer_prompts(target, bench_ids, args.max_new_tokens, progress=answered)
     for tag, traces in (("train", train), ("heldout", heldout), ("bench", bench)):

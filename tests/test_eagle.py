@@ -311,6 +311,15 @@ def test_sampled_answers_are_seeded_and_logged_as_sampled(stories):
     assert [t.output_ids for t in a] != [t.output_ids for t in greedy]
     assert all(t.temperature == 1.0 and not t.greedy for t in a) and all(t.greedy for t in greedy)
 
+    from online.trainer.warmstart import sampled_answers
+
+    two = sampled_answers(stories, ids, 12, 2, 1.0)
+    assert len(two) == 6 and [t.output_ids for t in two] == [t.output_ids for t in sampled_answers(stories, ids, 12, 2, 1.0)]
+    assert [t.output_ids for t in two[:3]] != [t.output_ids for t in two[3:]]  # each pass draws its own answers
+    assert sampled_answers(stories, ids, 12, 0, 0.0) == []
+    with pytest.raises(ValueError, match="temperature > 0"):
+        sampled_answers(stories, ids, 12, 1, 0.0)
+
 
 def test_synthesized_prompts_are_the_chat_targets_own_user_turns(smollm2):
     from online.trainer.warmstart import synthesize_prompts, user_turn_prefix
@@ -347,6 +356,19 @@ def test_drafter_train_cli_from_a_prompts_file(stories, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["steps"] == 3 and res["train_traces"] == 4 and res["heldout_traces"] == 1
     assert res["heldout_mean_acceptance_length"] >= 1.0 and (out / "config.json").is_file()
+
+    # --sampled: two more answers per training prompt (the held-out prompt keeps only its greedy one)
+    common = ["drafter", "train", "--target", str(stories.path), "--steps", "1", "--heldout", "1",
+              "--max-new-tokens", "12", "--draft-vocab", "128", "--eval-every", "0"]
+    assert main(common + ["--prompts", str(prompts), "--out", str(tmp_path / "h2"), "--sampled", "2",
+                          "--temperature", "1.0"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["train_traces"] == 4 * 3 and res["heldout_traces"] == 1
+    for bad, message in ((["--prompts", str(prompts), "--sampled", "1", "--temperature", "0"], "--temperature > 0"),
+                         (["--prompts", str(prompts), "--sampled", "-1"], "--sampled needs a count >= 0"),
+                         (["--traffic", str(tmp_path / "t.jsonl"), "--sampled", "1"], "with --traffic")):
+        assert main(common + bad + ["--out", str(tmp_path / "h3")]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_drafter_train_cli_synthesizes_prompts(smollm2, tmp_path, capsys):

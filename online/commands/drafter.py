@@ -45,6 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--init", help="start from this Eagle3 head instead of a new one")
     train.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     train.add_argument("--max-new-tokens", type=int, default=64, help="answer length for --prompts and --synthesize (default 64)")
+    train.add_argument("--sampled", type=int, default=0, metavar="N",
+                       help="--prompts/--synthesize: N more answers per training prompt, sampled at --temperature "
+                            "(seeded), beside the greedy one: more data for the same prompts (held-out prompts get "
+                            "only their greedy answer)")
+    train.add_argument("--temperature", type=float, default=0.8, help="temperature of the --sampled answers (default 0.8)")
     train.add_argument("--limit", type=int, help="--traffic: the most recent N traces")
     train.add_argument("--heldout", type=int, default=32, help="newest traces held out for the acceptance curve")
     train.add_argument("--minutes", type=float, default=0.0, help="training time budget (0: --steps only)")
@@ -132,13 +137,18 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     from online.commands.generate import encode, read_prompts
     from online.models import load_target
-    from online.trainer.warmstart import answer_prompts, warm_start
+    from online.trainer.warmstart import answer_prompts, sampled_answers, warm_start
 
     cfg = load_config(args.config)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.synthesize is not None and args.synthesize <= 0:
         raise LivedraftError(f"--synthesize needs a positive number of prompts, got {args.synthesize}")
+    if args.sampled < 0 or (args.sampled and args.traffic):
+        raise LivedraftError("--sampled needs a count >= 0 and answers to make (--prompts or --synthesize), "
+                             f"got --sampled {args.sampled}" + (" with --traffic" if args.traffic else ""))
+    if args.sampled and not args.temperature > 0:
+        raise LivedraftError(f"--sampled needs --temperature > 0, got {args.temperature}")
     out = Path(args.out)
     _check_empty(out)
     target = load_target(args.target, cfg, args)
@@ -154,15 +164,20 @@ def train_drafter(args: argparse.Namespace) -> int:
             prompts = [encode(target.tokenizer, p, True)
                        for p in synthesize_prompts(target, args.synthesize, progress=bar.update)]
             bar.close()
-        bar = tqdm(total=len(prompts), desc="target answers", unit="req", file=sys.stderr)
+        n_held = min(args.heldout, len(prompts) // 5)
+        n_train = len(prompts) - n_held
+        bar = tqdm(total=len(prompts) + args.sampled * n_train, desc="target answers", unit="req", file=sys.stderr)
         traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
+        train, heldout = traces[:n_train], traces[n_train:]
+        train += sampled_answers(target, prompts[:n_train], args.max_new_tokens, args.sampled, args.temperature,
+                                 progress=bar.update)
         bar.close()
     else:
         from online.commands.replay import load_traffic
 
         traces = load_traffic(args.traffic, limit=args.limit)
-    n_held = min(args.heldout, len(traces) // 5)
-    train, heldout = traces[: len(traces) - n_held], traces[len(traces) - n_held:]
+        n_held = min(args.heldout, len(traces) // 5)
+        train, heldout = traces[: len(traces) - n_held], traces[len(traces) - n_held:]
     tcfg = cfg.trainer
     tcfg.steps, tcfg.batch_size, tcfg.lr = args.steps, args.batch_size, args.lr
     tcfg.max_seconds, tcfg.draft_vocab = args.minutes * 60, args.draft_vocab

@@ -57,6 +57,17 @@ def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_to
     return out
 
 
+def sampled_answers(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, passes: int,
+                    temperature: float, *, progress: Callable[[int], None] | None = None) -> list[RequestTrace]:
+    """`passes` more answers per prompt, sampled at `temperature` (pass n seeded with
+    (n + 1) * 1_000_003, so every run with the same prompts draws the same answers): more
+    training data for the same prompts, beside their greedy answers."""
+    if passes and not temperature > 0:
+        raise ValueError(f"sampled answers need a temperature > 0, got {temperature}")
+    return [t for n in range(passes) for t in answer_prompts(target, prompts, max_new_tokens, progress=progress,
+                                                             temperature=temperature, seed=(n + 1) * 1_000_003)]
+
+
 _MARKER = "\u2063LIVEDRAFT_USER_TURN\u2063"
 
 
