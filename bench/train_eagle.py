@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.traffic import THREADS_HELP, chat_ids, prompt_pool, start_run
-from online.config import TrainerConfig
+from online.config import MIXED_PRECISION, TrainerConfig
 from online.events import trace_from_json, trace_to_json
 from online.trainer.warmstart import answer_prompts, sampled_answers, synthesize_prompts, warm_start
 from runtime.loader import load_model
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--sampled", type=int, default=0,
                     help="extra answers per training prompt, sampled at --temperature (more data; held-out stays greedy)")
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+    ap.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
                     help="bf16: the head's matmuls in bfloat16 (TrainerConfig.mixed_precision)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help=THREADS_HELP)

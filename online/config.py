@@ -58,6 +58,9 @@ class ModelsConfig:
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16
 
 
+MIXED_PRECISION = ("no", "bf16")  # TrainerConfig.mixed_precision: fp32, or bfloat16 matmuls under autocast
+
+
 @dataclass
 class TrainerConfig:
     """Online distillation (online/trainer) and its promotion gate."""

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from online.config import load_config
+from online.config import MIXED_PRECISION, load_config
 from online.models import add_model_arguments
 from runtime.errors import LivedraftError
 
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--draft-vocab", type=int, default=8192)
-    train.add_argument("--mixed-precision", choices=("no", "bf16"),
+    train.add_argument("--mixed-precision", choices=MIXED_PRECISION,
                        help="bf16: the head's matmuls in bfloat16, weights and loss in fp32 (faster on CPUs with "
                             "AVX512-BF16/AMX and on GPUs; default: trainer.mixed_precision of the config)")
     train.add_argument("--k", type=int, default=4, help="draft length of the held-out replay (default 4)")
@@ -164,8 +164,7 @@ def train_drafter(args: argparse.Namespace) -> int:
             prompts = [encode(target.tokenizer, p, True)
                        for p in synthesize_prompts(target, args.synthesize, progress=bar.update)]
             bar.close()
-        n_held = min(args.heldout, len(prompts) // 5)
-        n_train = len(prompts) - n_held
+        n_train = _n_train(len(prompts), args.heldout)
         bar = tqdm(total=len(prompts) + args.sampled * n_train, desc="target answers", unit="req", file=sys.stderr)
         traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
         train, heldout = traces[:n_train], traces[n_train:]
@@ -176,8 +175,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         from online.commands.replay import load_traffic
 
         traces = load_traffic(args.traffic, limit=args.limit)
-        n_held = min(args.heldout, len(traces) // 5)
-        train, heldout = traces[: len(traces) - n_held], traces[len(traces) - n_held:]
+        n_train = _n_train(len(traces), args.heldout)
+        train, heldout = traces[:n_train], traces[n_train:]
     tcfg = cfg.trainer
     tcfg.steps, tcfg.batch_size, tcfg.lr = args.steps, args.batch_size, args.lr
     tcfg.max_seconds, tcfg.draft_vocab = args.minutes * 60, args.draft_vocab
@@ -211,6 +210,11 @@ def train_drafter(args: argparse.Namespace) -> int:
                       "total_seconds": round(time.perf_counter() - t0, 1),
                       "heldout_mean_acceptance_length": last.heldout_mean_acceptance_length if last else None}))
     return 0
+
+
+def _n_train(n: int, heldout: int) -> int:
+    """How many of `n` requests train: the newest `heldout` (at most a fifth) are held out."""
+    return n - min(heldout, n // 5)
 
 
 def export_drafter(args: argparse.Namespace) -> int:

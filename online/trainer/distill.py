@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from online.config import TrainerConfig
+from online.config import MIXED_PRECISION, TrainerConfig
 from online.trainer.losses import DIVERGENCES, soft_label_loss, token_cross_entropy
 from online.windows import NotEnoughData
 from runtime.errors import LivedraftError
@@ -146,9 +146,6 @@ def distill(
     return DistillResult(out, version, parent_version, losses, kd, ce, len(losses), seconds, len(examples),
                          skipped, sum(len(e.soft_rows) for e in examples),
                          sum(len(e.ids) - 1 - e.first_output_row for e in examples))
-
-
-MIXED_PRECISION = ("no", "bf16")
 
 
 def check_config(cfg: TrainerConfig) -> None:
