@@ -71,7 +71,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
 
     frozen = per_request(replay(init_dir, logged, "initial").traces)
     cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
-                        promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2)
+                        promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2,
+                        vocab_refresh=args.vocab_refresh)
     champion_dir, version = init_dir, "initial"
     served: list[RequestTrace] = []
     adapted: list[RequestStats] = []
@@ -105,10 +106,21 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
             champion_dir, version = work / cand_version, cand_version
         else:
             shutil.rmtree(work / cand_version, ignore_errors=True)
-    # the reference: the same head distilled offline on the whole stream, as many steps as all rounds
+    # the references: the same head distilled offline on the stream, as many steps as all rounds together --
+    # (c) on the whole stream and scored on it (it has trained on every request it is scored on), and
+    # (d) cross-fitted: trained on one half of the stream (every other request, all domains) and scored on
+    # the other half, and the other way round (it knows the traffic in advance, but not the request)
     offline_cfg = TrainerConfig(steps=max(total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
-                                seed=args.seed, warmup_steps=2)
+                                seed=args.seed, warmup_steps=2, vocab_refresh=args.vocab_refresh)
     distill_eagle(init_dir, logged, work / "offline", offline_cfg, target, passes=passes, version="offline")
     offline = per_request(replay(work / "offline", logged, "offline").traces)
-    return frozen, adapted, rounds, t_train, {"offline": offline, "init": str(init_dir),
+    unseen: list[RequestStats | None] = [None] * len(logged)
+    for fold in (0, 1):
+        train = [t for i, t in enumerate(logged) if i % 2 != fold]
+        scored = [i for i in range(len(logged)) if i % 2 == fold]
+        distill_eagle(init_dir, train, work / f"fold{fold}", offline_cfg, target, passes=passes, version=f"fold{fold}")
+        for i, st in zip(scored, per_request(replay(work / f"fold{fold}", [logged[i] for i in scored],
+                                                    f"fold{fold}").traces), strict=True):
+            unseen[i] = st
+    return frozen, adapted, rounds, t_train, {"offline": offline, "offline_unseen": unseen, "init": str(init_dir),
                                               "offline_steps": offline_cfg.steps}

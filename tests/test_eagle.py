@@ -12,7 +12,7 @@ import torch
 
 import runtime.verify as verify
 from online.replay import replay_traces
-from online.trainer.eagle import choose_draft_vocab, init_head, save_head
+from online.trainer.eagle import choose_draft_vocab, init_head, refresh_vocab, save_head
 from online.trainer.features import FeatureExtractor
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Draft, DraftRow
@@ -22,6 +22,7 @@ from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.errors import LivedraftError, ModelLoadError
 from runtime.sinks import MemorySink
 from runtime.target import LlamaTarget
+from runtime.trace import RequestTrace
 from tests.models import loaded, tiny_llama
 from tests.serving_utils import hf_greedy
 from tests.test_lossless_sampling import broken_residual, chi2, chi2_critical
@@ -384,3 +385,45 @@ def test_drafter_train_cli_synthesizes_prompts(smollm2, tmp_path, capsys):
     res = json.loads(captured.out.strip().splitlines()[-1])
     assert res["train_traces"] == 4 and res["heldout_traces"] == 1 and res["steps"] == 2
     assert "target writes prompts" in captured.err and (out / "config.json").is_file()
+
+
+def test_refreshing_the_vocabulary_admits_the_traffics_tokens_and_keeps_what_was_learned():
+    target, head = tiny_target_and_head(vocab=64, draft_vocab=48)  # draft ids 0..47
+    before = head.lm_head.weight.detach().clone()
+    out = [50, 50, 60, 60, 60, 61, 3, 3, 47]  # 60 and 50 are frequent and missing, 61 seen once, 47 in use
+    traces = [RequestTrace("r", [1, 2], out, [], "tiny", "-", max_new_tokens=16)]
+    assert refresh_vocab(head, traces, target, 0) == 0 and head.draft_ids.tolist() == list(range(48))
+    assert refresh_vocab(head, traces, target, 2) == 2
+    ids = head.draft_ids.tolist()
+    assert len(ids) == 48 and ids == sorted(ids) and {50, 60}.issubset(ids) and 61 not in ids
+    assert 47 in ids and not {46, 45} & set(ids)  # the highest unseen ids make room; a token in use stays
+    assert head.t2d.nonzero().flatten().tolist() == ids
+    rows = head.lm_head.weight.detach()
+    for t in (3, 47, 0):  # kept rows moved with their token
+        assert torch.equal(rows[ids.index(t)], before[t])
+    for t in (50, 60):  # admitted rows start from the target's output embedding
+        assert torch.equal(rows[ids.index(t)], target.model.get_output_embeddings().weight[t].detach())
+    assert refresh_vocab(head, traces, target, 2) == 0  # nothing left to admit
+
+
+def test_a_round_learns_tokens_its_draft_vocabulary_lacked(stories, eagle_traffic, tmp_path):
+    """A head whose draft vocabulary misses the traffic's tokens (the lowest ids only) cannot draft
+    them whatever it trains on; a round with the vocabulary refresh admits them and drafts better."""
+    from online.config import TrainerConfig
+    from online.trainer.eagle import distill_eagle
+
+    head = init_head(stories, choose_draft_vocab(stories, 128))
+    save_head(head, tmp_path / "init", {"version": "0"})
+    ex = FeatureExtractor(stories, head.config.aux_layers)
+    passes = {t.request_id: ex.one(t.prompt_ids + t.output_ids) for t in eagle_traffic[:75]}
+    mal = {}
+    for refresh in (0, 2):
+        cfg = TrainerConfig(steps=40, batch_size=8, lr=2e-3, ce_weight=0.2, vocab_refresh=refresh)
+        res = distill_eagle(tmp_path / "init", eagle_traffic[:60], tmp_path / f"r{refresh}", cfg, stories,
+                            passes=passes)
+        meta = json.loads((res.out_dir / "livedraft_drafter.json").read_text())
+        assert (meta["training"]["vocab_admitted"] > 0) == bool(refresh)
+        rep = replay_traces(eagle_traffic[60:75], load_feature_drafter(res.out_dir, stories),
+                            length=DraftLengthConfig(k=4), features=lambda t: passes[t.request_id].features)
+        mal[refresh] = rep.stats.mean_acceptance_length
+    assert mal[2] > mal[0] + 0.2, mal

@@ -83,6 +83,40 @@ def choose_draft_vocab(target: LoadedModel, size: int, sequences: Sequence[Seque
     return sorted(chosen)
 
 
+def refresh_vocab(head: EagleHead, traces: Sequence[RequestTrace], target: LoadedModel, min_count: int) -> int:
+    """Follows the log's vocabulary: output tokens of `traces` seen at least `min_count` times
+    that the draft vocabulary lacks are admitted (most frequent first), each taking the slot of
+    a token the traces never produce (the highest id first: for BPE vocabularies the latest
+    merges, roughly the rarest; EOS and special tokens stay). An admitted row starts from the
+    target's output embedding, as a new head's rows do; kept rows keep what they learned, and the
+    size of the draft vocabulary does not change. Without this, a token missing from the draft
+    vocabulary can never be drafted nor learned, whatever the traffic. Returns how many were
+    admitted (0 when `min_count` is 0)."""
+    if min_count <= 0:
+        return 0
+    counts = Counter(t for tr in traces for t in tr.output_ids)
+    old = head.draft_ids.tolist()
+    have = set(old)
+    admit = [t for t, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+             if c >= min_count and t not in have and 0 <= t < head.config.vocab_size]
+    keep = set(target.eos_ids)
+    if target.tokenizer is not None:
+        keep |= {i for i in target.tokenizer.all_special_ids if i is not None}
+    evictable = sorted((t for t in old if t not in counts and t not in keep), reverse=True)
+    admit = admit[: len(evictable)]
+    if not admit:
+        return 0
+    ids = sorted(have.difference(evictable[: len(admit)]).union(admit))
+    rows = {t: i for i, t in enumerate(old)}
+    target_rows = target.model.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        weight = torch.stack([head.lm_head.weight[rows[t]] if t in rows else target_rows[t].to(head.lm_head.weight)
+                              for t in ids])
+        head.lm_head.weight.copy_(weight)
+        head.set_vocab(ids)
+    return len(admit)
+
+
 def init_head(target: LoadedModel, draft_ids: Sequence[int], *, aux_layers: Sequence[int] | None = None,
               norm_before_residual: bool = False, seed: int = 0) -> EagleHead:
     """A new head for `target`, initialised as EAGLE-3 heads are from their target: the decoder
@@ -379,6 +413,7 @@ def distill_eagle(
     if todo:
         passes.update(zip((t.request_id for t in todo), FeatureExtractor(target, head.config.aux_layers)(todo),
                           strict=True))
+    admitted = refresh_vocab(head, ok, target, cfg.vocab_refresh)
     examples = make_examples(ok, [passes[t.request_id] for t in ok], cfg)
     parent = read_drafter_meta(Path(drafter_dir))
     with torch.random.fork_rng(devices=[]):
@@ -388,16 +423,18 @@ def distill_eagle(
     parent_version = str(parent.get("version") or Path(drafter_dir).name)
     version = version or f"cand-{int(time.time())}"
     training = {"kind": "eagle", "steps_done": stats.steps, "seconds": round(stats.seconds, 3),
-                "traces": len(ok), "created_at": time.time(),
+                "traces": len(ok), "created_at": time.time(), "vocab_admitted": admitted,
                 **{k: getattr(cfg, k) for k in ("lr", "batch_size", "ttt_steps", "ttt_decay", "ce_weight",
-                                                "prompt_weight", "rejected_weight", "mixed_precision", "seed")}}
+                                                "prompt_weight", "rejected_weight", "mixed_precision", "vocab_refresh",
+                                                "seed")}}
     meta = {**(provenance or {}), "version": version, "parent_version": parent_version, "training": training}
     tmp = out.parent / f".{out.name}-tmp"
     save_head(head, tmp, meta)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
-    log.info("distilled eagle %s from %s: %d steps in %.1fs, loss %.4f -> %.4f, %d traces", version,
-             parent_version, stats.steps, stats.seconds, stats.losses[0], stats.losses[-1], len(ok))
+    log.info("distilled eagle %s from %s: %d steps in %.1fs, loss %.4f -> %.4f, %d traces, %d tokens admitted to "
+             "the draft vocabulary", version, parent_version, stats.steps, stats.seconds, stats.losses[0],
+             stats.losses[-1], len(ok), admitted)
     return DistillResult(out, version, parent_version, stats.losses, [], [], stats.steps, stats.seconds, len(ok),
                          skipped, 0, sum(len(t.output_ids) for t in ok))

@@ -24,6 +24,7 @@ from online.trainer.eagle import (
     choose_draft_vocab,
     init_head,
     make_examples,
+    refresh_vocab,
     save_head,
     train_head,
     usable,
@@ -175,6 +176,9 @@ def warm_start(
     if init_dir is not None:
         head = EagleHead.load(init_dir, dtype=target.model.dtype, device=target.model.device)
         check_head_matches_target(head.config, target.model.config, str(init_dir))
+        admitted = refresh_vocab(head, train, target, cfg.vocab_refresh)
+        if admitted:
+            log.info("%d tokens of the training outputs admitted to %s's draft vocabulary", admitted, init_dir)
     else:
         vocab = choose_draft_vocab(target, min(cfg.draft_vocab, target.vocab_size), [t.output_ids for t in train])
         head = init_head(target, vocab, seed=cfg.seed)
