@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from bench.traffic import Request, chat_ids, prompt_pool
 from online.config import TrainerConfig
@@ -22,6 +24,7 @@ from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
 
 log = logging.getLogger("bench_adaptation")
+T, M, R = TypeVar("T"), TypeVar("M"), TypeVar("R")
 
 
 def as_trace(i: int, r: Request) -> RequestTrace:
@@ -53,6 +56,19 @@ def per_request(traces: list[RequestTrace]) -> list[RequestStats]:
             st.record_step(len(s.drafted), s.accepted)
         out.append(st)
     return out
+
+
+def cross_fit(items: list[T], fit: Callable[[list[T], int], M], score: Callable[[M, list[T]], list[R]],
+              folds: int = 2) -> list[R]:
+    """Scores every item with a model fitted only on the other folds (item i is in fold i % folds):
+    `fit(train_items, fold)` -> model, `score(model, items)` -> one result per item, in order."""
+    out: list[R | None] = [None] * len(items)
+    for fold in range(folds):
+        held = [i for i in range(len(items)) if i % folds == fold]
+        model = fit([x for i, x in enumerate(items) if i % folds != fold], fold)
+        for i, r in zip(held, score(model, [items[i] for i in held]), strict=True):
+            out[i] = r
+    return out  # type: ignore[return-value]
 
 
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
@@ -107,20 +123,18 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
         else:
             shutil.rmtree(work / cand_version, ignore_errors=True)
     # the references: the same head distilled offline on the stream, as many steps as all rounds together --
-    # (c) on the whole stream and scored on it (it has trained on every request it is scored on), and
-    # (d) cross-fitted: trained on one half of the stream (every other request, all domains) and scored on
+    # on the whole stream and scored on it (it has trained on every request it is scored on), and
+    # cross-fitted: trained on one half of the stream (every other request, all domains) and scored on
     # the other half, and the other way round (it knows the traffic in advance, but not the request)
     offline_cfg = TrainerConfig(steps=max(total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
                                 seed=args.seed, warmup_steps=2, vocab_refresh=args.vocab_refresh)
     distill_eagle(init_dir, logged, work / "offline", offline_cfg, target, passes=passes, version="offline")
     offline = per_request(replay(work / "offline", logged, "offline").traces)
-    unseen: list[RequestStats | None] = [None] * len(logged)
-    for fold in (0, 1):
-        train = [t for i, t in enumerate(logged) if i % 2 != fold]
-        scored = [i for i in range(len(logged)) if i % 2 == fold]
+
+    def fit(train: list[RequestTrace], fold: int) -> Path:
         distill_eagle(init_dir, train, work / f"fold{fold}", offline_cfg, target, passes=passes, version=f"fold{fold}")
-        for i, st in zip(scored, per_request(replay(work / f"fold{fold}", [logged[i] for i in scored],
-                                                    f"fold{fold}").traces), strict=True):
-            unseen[i] = st
+        return work / f"fold{fold}"
+
+    unseen = cross_fit(logged, fit, lambda path, traces: per_request(replay(path, traces, path.name).traces))
     return frozen, adapted, rounds, t_train, {"offline": offline, "offline_unseen": unseen, "init": str(init_dir),
                                               "offline_steps": offline_cfg.steps}

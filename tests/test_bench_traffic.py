@@ -91,3 +91,19 @@ def test_recovery_is_requests_until_rolling_mal_reaches_90_percent_of_the_segmen
     assert recovery(adapted, 10, 34, 8) == 11
     assert recovery([1.0] * 10 + [1.0] * 20, 10, 30, 8) == 8  # flat: recovered once the window is full
     assert recovery([1.0] * 10 + [2.0] * 8 + [1.0] * 16, 10, 34, 8) == 8  # level 1.0 there; reached at once
+
+
+def test_cross_fitting_scores_every_item_with_a_model_that_never_trained_on_it():
+    from bench.adaptation_eagle import cross_fit
+
+    fits = []
+
+    def fit(train, fold):
+        fits.append((fold, list(train)))
+        return set(train)
+
+    items = list(range(11))
+    seen = cross_fit(items, fit, lambda model, xs: [x in model for x in xs])
+    assert seen == [False] * 11  # every item scored, none by a model trained on it
+    assert [f for f, _ in fits] == [0, 1] and fits[0][1] == [1, 3, 5, 7, 9] and fits[1][1] == [0, 2, 4, 6, 8, 10]
+    assert cross_fit(items, fit, lambda model, xs: [len(model)] * len(xs), folds=3) == [7, 7, 8, 7, 7, 8, 7, 7, 8, 7, 7]
