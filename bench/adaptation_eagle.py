@@ -71,6 +71,19 @@ def cross_fit(items: list[T], fit: Callable[[list[T], int], M], score: Callable[
     return out  # type: ignore[return-value]
 
 
+def held_out(n: int, n_hold: int, mode: str = "newest") -> set[int]:
+    """Indices of a window of `n` traces (oldest first) held out for the gate: the newest `n_hold`
+    (what the daemon does), or `n_hold` spread evenly over the window, the newest included, so a
+    round also trains on the newest traffic (an A/B of this bench, docs/benchmarks.md)."""
+    if not 1 <= n_hold < n:
+        raise ValueError(f"need 1 <= n_hold < n, got n_hold={n_hold} n={n}")
+    if mode == "newest":
+        return set(range(n - n_hold, n))
+    if mode == "spread":
+        return {n - 1 - (i * n) // n_hold for i in range(n_hold)}
+    raise ValueError(f"unknown holdout mode {mode!r}: newest or spread")
+
+
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
     init_dir = Path(args.drafter) if args.drafter else initial_head(args, target, out.parent)
     logged = [as_trace(i, r) for i, r in enumerate(traffic)]
@@ -100,8 +113,9 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
         if r0 + args.every >= len(logged):
             break
         window = served[-args.window :]
-        n_hold = max(1, round(len(window) * args.holdout))
-        train, hold = window[:-n_hold], [logged[int(t.request_id[4:])] for t in window[-n_hold:]]
+        held = held_out(len(window), max(1, round(len(window) * args.holdout)), args.holdout_mode)
+        train = [t for i, t in enumerate(window) if i not in held]
+        hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()
         cand_version = f"round{len(rounds) + 1}"
         res = distill_eagle(champion_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)

@@ -107,3 +107,15 @@ def test_cross_fitting_scores_every_item_with_a_model_that_never_trained_on_it()
     assert seen == [False] * 11  # every item scored, none by a model trained on it
     assert [f for f, _ in fits] == [0, 1] and fits[0][1] == [1, 3, 5, 7, 9] and fits[1][1] == [0, 2, 4, 6, 8, 10]
     assert cross_fit(items, fit, lambda model, xs: [len(model)] * len(xs), folds=3) == [7, 7, 8, 7, 7, 8, 7, 7, 8, 7, 7]
+
+
+def test_the_gate_holds_out_the_newest_traces_or_the_same_share_spread_over_the_window():
+    from bench.adaptation_eagle import held_out
+
+    assert held_out(32, 8) == set(range(24, 32))
+    spread = held_out(32, 8, "spread")
+    assert spread == {31, 27, 23, 19, 15, 11, 7, 3}  # the newest included, one in every four
+    assert held_out(8, 2, "spread") == {7, 3} and held_out(10, 3, "spread") == {9, 6, 3}
+    for bad in ((8, 0, "newest"), (8, 8, "newest"), (8, 2, "oldest")):
+        with pytest.raises(ValueError):
+            held_out(*bad)
