@@ -68,6 +68,15 @@ class LoadedModel:
             return set()
         return set(eos) if isinstance(eos, list | tuple) else {int(eos)}
 
+    @property
+    def special_ids(self) -> set[int]:
+        """EOS and the tokenizer's special tokens within the vocabulary: what a draft vocabulary
+        always keeps."""
+        special = self.eos_ids
+        if self.tokenizer is not None:
+            special |= {i for i in self.tokenizer.all_special_ids if i is not None and 0 <= i < self.vocab_size}
+        return special
+
 
 def resolve_model_dir(spec: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
     """`spec` -> (local safetensors directory, model id). Converts GGUF on first use."""

@@ -67,9 +67,7 @@ def choose_draft_vocab(target: LoadedModel, size: int, sequences: Sequence[Seque
     vocab = target.vocab_size
     if not 1 <= size <= vocab:
         raise ValueError(f"draft vocabulary size must be in [1, {vocab}], got {size}")
-    special = set(target.eos_ids)
-    if target.tokenizer is not None:
-        special |= {i for i in target.tokenizer.all_special_ids if i is not None and 0 <= i < vocab}
+    special = target.special_ids
     counts = Counter(t for s in sequences for t in s if 0 <= t < vocab)
     chosen = set(sorted(special)[:size])
     for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -99,9 +97,7 @@ def refresh_vocab(head: EagleHead, traces: Sequence[RequestTrace], target: Loade
     have = set(old)
     admit = [t for t, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
              if c >= min_count and t not in have and 0 <= t < head.config.vocab_size]
-    keep = set(target.eos_ids)
-    if target.tokenizer is not None:
-        keep |= {i for i in target.tokenizer.all_special_ids if i is not None}
+    keep = target.special_ids
     evictable = sorted((t for t in old if t not in counts and t not in keep), reverse=True)
     admit = admit[: len(evictable)]
     if not admit:
