@@ -106,11 +106,13 @@ def exact_joint(model) -> dict:
     return joint
 
 
-def engine_joint_counts(target, draft_model, n: int) -> dict:
-    engine = SpeculativeEngine(
-        HFTarget(target), ModelDrafter(draft_model, VOCAB), eos_ids=set(), max_context=64,
-        config=EngineConfig(draft=DraftLengthConfig(k=3)),
-    )
+def engine_joint_counts(target, draft_model, n: int, mode: str = "k3") -> dict:
+    """mode "k3": 3 tokens a step. "min-confidence": adaptive k (for seeded requests: the
+    acceptance-only cap) whose drafter stops early where its confidence falls under 0.3, so the
+    draft length depends on what the drafter sampled before."""
+    length = {"k3": DraftLengthConfig(k=3), "min-confidence": DraftLengthConfig(k=3, adaptive=True, min_confidence=0.3)}[mode]
+    engine = SpeculativeEngine(HFTarget(target), ModelDrafter(draft_model, VOCAB), eos_ids=set(), max_context=64,
+                               config=EngineConfig(draft=length))
     counts: dict = {}
     for seed in range(n):
         out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=TEMP, top_p=TOP_P, seed=seed)).output_ids
@@ -118,15 +120,16 @@ def engine_joint_counts(target, draft_model, n: int) -> dict:
     return counts
 
 
-def test_engine_sampling_matches_target_distribution(monkeypatch):
+@pytest.mark.parametrize("mode", ["k3", "min-confidence"])
+def test_engine_sampling_matches_target_distribution(monkeypatch, mode):
     target = tiny_llama(vocab=VOCAB, layers=1, hidden=16, seed=0)
     draft_model = tiny_llama(vocab=VOCAB, layers=1, hidden=16, seed=7)  # disagrees often
     exact = exact_joint(target)
     n = 1500  # measured: chi2 ~30 correct vs ~180 broken, critical ~60
-    stat, df = chi2(engine_joint_counts(target, draft_model, n), exact, n)
+    stat, df = chi2(engine_joint_counts(target, draft_model, n, mode), exact, n)
     assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df}"
     monkeypatch.setattr(verify, "_residual_sample", broken_residual)
-    stat, df = chi2(engine_joint_counts(target, draft_model, n), exact, n)
+    stat, df = chi2(engine_joint_counts(target, draft_model, n, mode), exact, n)
     assert stat > chi2_critical(df), "the test cannot tell a broken resampling rule apart"
 
 

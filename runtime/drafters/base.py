@@ -55,9 +55,12 @@ class Drafter(Protocol):
     Per request: `begin`, then one `propose` per decoding step (every step, also
     those that draft nothing), then `end`. `propose` must not mutate a row's
     context and returns one Draft per row, in order, of at most `max_tokens`
-    tokens; it stops early once its probability of its own next token falls
+    tokens; it stops early once its top probability at the next position falls
     under `min_confidence` (SpecDec++-style), the first token always proposed when
-    max_tokens > 0. `end` is safe for an unknown request (the engine calls it in
+    max_tokens > 0. The stop is decided before the token is sampled: one that
+    looked at the sampled token would change the distribution of what is proposed,
+    and the verifier, which assumes a proposed token was drawn from q, would no
+    longer be lossless. `end` is safe for an unknown request (the engine calls it in
     `finally`); a request that was never begun raises ValueError in `propose`.
     Not thread-safe: one engine drives a drafter at a time.
     """

@@ -358,10 +358,10 @@ class FeatureDrafter:
             for b, i in enumerate(live):
                 row = rows[i]
                 q = warp(logits[b], row.temperature, row.top_p) if row.temperature > 0 else torch.softmax(logits[b].float(), -1)
-                j = int(q.argmax()) if row.temperature == 0 else int(torch.multinomial(q, 1, generator=row.generator))
                 d = drafts[i]
-                if d.tokens and q[j] < row.min_confidence:
+                if d.tokens and float(q.max()) < row.min_confidence:  # before sampling: see Drafter
                     continue
+                j = int(q.argmax()) if row.temperature == 0 else int(torch.multinomial(q, 1, generator=row.generator))
                 d.tokens.append(int(self.draft_ids[j]))
                 qs[i].append(q)
                 if len(d.tokens) < row.max_tokens:

@@ -91,11 +91,11 @@ class ModelDrafter:
             for b, (i, st) in enumerate(zip(live, states, strict=True)):
                 row = rows[i]
                 q = self._distribution(logits[b], row.temperature, row.top_p)  # [V_target]
+                d = drafts[i]
+                if d.tokens and float(q.max()) < row.min_confidence:  # before sampling: see Drafter
+                    continue
                 tok = (self._greedy_token(logits[b]) if row.temperature == 0.0
                        else int(torch.multinomial(q, 1, generator=row.generator)))
-                d = drafts[i]
-                if d.tokens and q[tok] < row.min_confidence:
-                    continue
                 d.tokens.append(tok)
                 rows_q[i].append(q)
                 if len(d.tokens) < row.max_tokens:
