@@ -17,15 +17,7 @@ cap K, chosen the same way over the sum of the rows' expected tokens: as the bat
 grows, verifying another position costs more rows of compute and the best K shrinks.
 
 The drafter also stops early on its own once its probability for its next token falls
-under `min_confidence` (SpecDec++ / HF `assistant_confidence_threshold`). The other way
-round (`extend`, EAGLE-2's observation that a head's confidence tracks its acceptance): a
-drafter with its own probabilities may draft past the chosen k, up to k_max, while the
-product of its probabilities for the tokens drafted — its estimate that all of them are
-accepted — stays above what one more token costs (`reach_threshold`: the seconds it adds
-to the step, its draft and one more verified position per row, times the step's expected
-tokens per second). The rule's k follows the average acceptance; this follows the one step
-at hand, where a confident stretch ("of the", a repeated name, code syntax) is worth
-drafting long even when the average says one token.
+under `min_confidence` (SpecDec++ / HF `assistant_confidence_threshold`).
 
 Seeded sampled requests promise the same output every time, alone or batched, so their
 k must not depend on timings or on other requests: they use the acceptance-only rule
@@ -47,7 +39,6 @@ class DraftLengthConfig:
     prior: float = 1.0  # Beta(prior, prior) smoothing of acceptance counts
     prior_strength: float = 4.0  # pseudo-steps of the drafter version's acceptance a request starts from
     probe_every: int = 8  # adaptive: with k = 0 best, draft one token every this many steps
-    extend: bool = True  # adaptive: drafters with probabilities go past k while confident (module docstring)
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -258,28 +249,6 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
         return caps  # nothing measured yet: draft fully once, and learn the costs
     k_cap = max(max(rates)[1], 1 if probing else 0)
     return [min(k, k_cap) for k in own]
-
-
-def reach_threshold(controllers: list[DraftLengthController], ks: list[int], versions: list[str],
-                    costs: CostModel) -> float | None:
-    """Adaptive: the probability that all the tokens drafted so far are accepted above which one
-    more token past the chosen lengths `ks` pays: the seconds it adds to the step (its draft and
-    one more verified position for each of the batch's rows, the width being padded to the
-    longest) times the step's expected tokens per second. None when nothing is drafted or the
-    costs are not measured yet."""
-    n, k = len(ks), max(ks, default=0)
-    if k == 0:
-        return None
-    version = versions[0] if len(set(versions)) == 1 else ""
-    secs = costs.step_seconds(version, n, k)
-    wider, width = costs.verify(n * (k + 2)), costs.verify(n * (k + 1))
-    draft = costs.draft.get(version, costs.draft.get(""))
-    if secs is None or secs <= 0 or wider is None or width is None or draft is None:
-        return None
-    drafted = sum(ks)
-    per_token = (draft(drafted + 1) or 0.0) - (draft(drafted) or 0.0)
-    tokens = sum(c.expected_tokens(kk)[kk] for c, kk in zip(controllers, ks, strict=True))
-    return max(wider - width + per_token, 0.0) * tokens / secs
 
 
 def _argmax_rate(curve: list[float], seconds: object) -> int:

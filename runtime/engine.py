@@ -37,7 +37,6 @@ from runtime.adaptive import (
     DraftLengthConfig,
     DraftLengthController,
     choose_lengths,
-    reach_threshold,
 )
 from runtime.drafters.base import Draft, Drafter, DraftRow
 from runtime.drafters.none import NoDrafter
@@ -340,10 +339,10 @@ class SpeculativeEngine:
         """Accepts each running row's verified draft (rows 0..len(reqs)-1 of `fwd`). `clean`: the
         forward fed these rows only (no prompt chunk), so its time is a verify cost sample."""
         t0, t1 = times
-        width = max(len(d.tokens) for d in drafts) + 1
         rec = self.k_by_rows.setdefault(len(reqs), [0, 0, 0])
         rec[0] += 1
-        rec[1] += width - 1
+        rec[1] += max(ks, default=0)
+        width = max(len(d.tokens) for d in drafts) + 1
         rows = [VerifyRow(d.tokens, d.probs, r.params.temperature, r.params.top_p, r.generator)
                 for r, d in zip(reqs, drafts, strict=True)]
         checked = verify_batch(fwd.logits[: len(reqs), :width], rows, with_probs=self.config.measure_alpha)
@@ -368,10 +367,7 @@ class SpeculativeEngine:
             step.accepted = min(verdict.accepted, len(new))  # tokens past EOS/max_new_tokens don't count
             req.stats.record_step(len(draft.tokens), step.accepted)
             rec[2] += len(new)
-            # the rule's estimates count the positions it chose; those drafted past them on the
-            # drafter's confidence are a selected sample (runtime/adaptive.py)
-            k = min(len(draft.tokens), ks[b])
-            req.length.update(k, min(verdict.accepted, k))
+            req.length.update(len(draft.tokens), verdict.accepted)
             req.steps.append(step)
         if self.config.measure_costs:
             t3 = time.perf_counter()
@@ -379,7 +375,7 @@ class SpeculativeEngine:
                 self.costs.record_verify(len(reqs) * width, t3 - t1)
             versions = {r.drafter.version for r in reqs}
             if len(versions) == 1:
-                self.costs.record_draft(versions.pop(), sum(len(d.tokens) for d in drafts), t1 - t0)
+                self.costs.record_draft(versions.pop(), sum(ks), t1 - t0)
 
     def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
         """Each request's k this step (runtime/adaptive.py). Seeded sampled requests, whose output
@@ -390,19 +386,15 @@ class SpeculativeEngine:
         ks = [-1] * len(reqs)
         free = []
         for i, r in enumerate(reqs):
-            r.extend = (0, 1.0)
             if r.params.seed is not None and r.params.temperature > 0:
                 ks[i] = r.length.fixed_k(remaining[i])
             else:
                 free.append(i)
         if free:
-            lengths, versions = [reqs[i].length for i in free], [reqs[i].drafter.version for i in free]
-            chosen = choose_lengths(lengths, [remaining[i] for i in free], versions, self.costs)
-            tau = reach_threshold(lengths, chosen, versions, self.costs) if self.config.draft.extend else None
+            chosen = choose_lengths([reqs[i].length for i in free], [remaining[i] for i in free],
+                                    [reqs[i].drafter.version for i in free], self.costs)
             for i, k in zip(free, chosen, strict=True):
                 ks[i] = k
-                if tau is not None and k > 0:
-                    reqs[i].extend = (max(min(self.config.draft.k, remaining[i]) - k, 0), tau)
         return ks
 
     def _propose(self, reqs: list[_Request], ks: list[int]) -> list[Draft]:
@@ -417,9 +409,9 @@ class SpeculativeEngine:
             rows = [self._draft_row(reqs[i], ks[i]) for i in idxs]
             out = drafter.propose(rows)
             for i, row, d in zip(idxs, rows, out, strict=True):
-                if len(d.tokens) > row.limit:
+                if len(d.tokens) > row.max_tokens:
                     raise RuntimeError(f"drafter {drafter!r} proposed {len(d.tokens)} tokens, more than "
-                                       f"max_tokens={row.max_tokens} + extend_tokens={row.extend_tokens}")
+                                       f"max_tokens={row.max_tokens}")
                 drafts[i] = d
         return drafts  # type: ignore[return-value]
 
@@ -430,7 +422,7 @@ class SpeculativeEngine:
             feats = req.features[0] if len(req.features) == 1 else torch.cat(req.features)
             req.features = []
         return DraftRow(req.id, req.context, k, p.temperature, p.top_p, req.length.min_confidence,
-                        req.generator, feats, *req.extend)
+                        req.generator, feats)
 
     def _accept_tokens(self, req: _Request, tokens: list[int]) -> list[int]:
         new = req.append(tokens, self.eos_ids)
@@ -534,7 +526,6 @@ class _Request:
         self.features: list[torch.Tensor] = []  # target features the drafter has not been given yet
         self._all_features: list[torch.Tensor] = []  # every position's, in order (left for the row's next request)
         self.log_features = False  # keep _all_features (the engine reuses rows' prefixes)
-        self.extend: tuple[int, float] = (0, 1.0)  # this step's DraftRow.extend_tokens, min_reach
         self.created, self.t0 = time.time(), time.perf_counter()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = torch.Generator(device=device).manual_seed(seed)

@@ -4,8 +4,6 @@ off (k = 0, with probes) and back on when it starts paying, and shrinks k as ver
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from runtime.adaptive import (
@@ -15,7 +13,6 @@ from runtime.adaptive import (
     DraftLengthConfig,
     DraftLengthController,
     choose_lengths,
-    reach_threshold,
 )
 from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
@@ -117,98 +114,3 @@ def test_engine_turns_drafting_off_and_back_on(stories):
     drafter.good = True
     good = run(prompts[2])
     assert max(good) == 6 and sum(good[-5:]) >= 20  # noticed by a probe, drafting fully again
-
-
-def test_a_row_goes_past_k_only_while_the_drafters_reach_stays_above_the_threshold():
-    row = DraftRow("r", [1, 2], 2, min_confidence=0.3, extend_tokens=2, min_reach=0.5)
-    assert row.limit == 4
-    assert row.takes(0, 0.01, 1.0)  # the first token always, however unsure
-    assert not row.takes(1, 0.2, 0.9) and row.takes(1, 0.3, 0.9)  # within k: the per-token confidence
-    assert row.takes(2, 0.9, 0.6) and not row.takes(2, 0.8, 0.6)  # past k: the product (0.54 vs 0.48)
-    assert not row.takes(4, 1.0, 1.0)  # never past the limit
-    assert row.goes_on(1, 0.01) and row.goes_on(2, 0.5) and not row.goes_on(2, 0.49) and not row.goes_on(4, 1.0)
-    plain = DraftRow("r", [1, 2], 2, min_confidence=0.3)
-    assert plain.limit == 2 and not plain.takes(2, 1.0, 1.0) and not plain.goes_on(2, 1.0)
-    assert DraftRow("r", [1], 0, extend_tokens=3, min_reach=0.0).limit == 0  # k = 0 drafts nothing
-
-
-def test_the_reach_threshold_is_one_more_tokens_cost_times_the_steps_rate():
-    costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.1)
-    c = controller(0.3)
-    e1 = c.expected_tokens(1)[1]
-    # one row at k = 1: a third verified position (+0.1) and a second draft token (+0.05, the
-    # draft curve's one point read proportionally), against E(1) tokens per 1.1 + 0.05 seconds
-    assert reach_threshold([c], [1], ["v"], costs) == pytest.approx(0.15 * e1 / 1.15)
-    assert reach_threshold([c], [0], ["v"], costs) is None  # nothing drafted: nothing to extend
-    assert reach_threshold([c], [1], ["v"], CostModel()) is None  # nothing measured yet
-    dear = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.5)
-    assert reach_threshold([c], [1], ["v"], dear) > reach_threshold([c], [1], ["v"], costs)
-    gpu = CostModel()  # flat verification up to 16 tokens: only the draft token costs
-    for n in (1, 4, 8, 16):
-        gpu.record_verify(n, 1.0)
-    gpu.record_verify(64, 4.0)
-    gpu.record_draft("v", 1, 0.02)
-    assert reach_threshold([c], [1], ["v"], gpu) == pytest.approx(0.02 * e1 / 1.02)
-    batch = [controller(0.3) for _ in range(8)]  # 8 rows: one more position is 8 more verified tokens
-    assert reach_threshold(batch, [1] * 8, ["v"] * 8, gpu) > reach_threshold([c], [1], ["v"], gpu)
-
-
-class Confident(RowwiseDrafter):
-    """Drafts the target's greedy token with probability 0.97 at about a third of the output
-    positions and a wrong one with probability 0.2 at the others: its confidence says when it is
-    right, its acceptance rate (a third) does not. Counts the tokens it drafted past the rule's k."""
-
-    version = "confident"
-
-    def __init__(self, expected: dict[tuple, list[int]], vocab: int):
-        self.expected, self.vocab = expected, vocab
-        self.prompts: dict[str, tuple] = {}
-        self.past_k = self.longest = self.deepest_k = 0
-
-    def begin(self, req_id, prompt_ids, *, tag=None):
-        self.prompts[req_id] = tuple(prompt_ids)
-
-    def propose_row(self, row: DraftRow) -> Draft:
-        prompt = self.prompts[row.req_id]
-        done = len(row.context) - len(prompt)
-        truth = self.expected[prompt]
-        tokens, reach = [], 1.0
-        while done + len(tokens) < len(truth):
-            pos = done + len(tokens)
-            right = random.Random(pos // 4).random() < 0.35  # in runs of 4
-            tok, q = (truth[pos], 0.97) if right else ((truth[pos] + 1) % self.vocab, 0.2)
-            if not row.takes(len(tokens), q, reach):
-                break
-            tokens.append(tok)
-            reach *= q
-            if not right or not row.goes_on(len(tokens), reach):
-                break  # past a wrong token the context is no longer the truth's
-        self.past_k += max(len(tokens) - row.max_tokens, 0)
-        self.longest = max(self.longest, len(tokens))
-        self.deepest_k = max(self.deepest_k, row.max_tokens)
-        return Draft(tokens, "model")
-
-    def end(self, req_id, output_ids=None):
-        self.prompts.pop(req_id, None)
-
-
-def test_a_confident_drafter_drafts_past_the_rules_k_and_the_output_is_unchanged(stories):
-    prompts = [stories.tokenizer(p).input_ids for p in ("Once upon a time", "The dog ran to", "Lily had a")]
-    expected = {tuple(p): hf_greedy(stories.model, p, 60) for p in prompts}
-
-    def run(extend: bool) -> tuple[Confident, SpeculativeEngine]:
-        drafter = Confident(expected, stories.vocab_size)
-        engine = SpeculativeEngine.for_model(stories, drafter, EngineConfig(
-            # no per-token stop within k: the rule's k follows the acceptance rate alone
-            draft=DraftLengthConfig(k=6, adaptive=True, extend=extend, min_confidence=0.0), measure_costs=False))
-        engine.costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.15)
-        for p in prompts:
-            assert engine.generate(p, SamplingParams(max_new_tokens=60)).output_ids == expected[tuple(p)]
-        return drafter, engine
-
-    plain, _ = run(False)
-    assert plain.past_k == 0
-    confident, engine = run(True)
-    assert confident.past_k >= 5 and confident.longest > confident.deepest_k  # confident runs went past k
-    # the rule's own estimates count only the positions it chose, not the selected ones past them
-    assert len(engine._acceptance["confident"].reached) <= confident.deepest_k

@@ -46,35 +46,6 @@ class DraftRow:
     min_confidence: float = 0.0
     generator: torch.Generator | None = None
     features: torch.Tensor | None = None  # [n, F]
-    # Adaptive k: a drafter with its own probabilities (eagle, model) may draft up to `extend_tokens`
-    # past max_tokens while the product of its top probabilities at the positions drafted stays >=
-    # min_reach (its own estimate that all of them are accepted; EAGLE-2's confidence rule).
-    extend_tokens: int = 0
-    min_reach: float = 1.0
-
-    def takes(self, drafted: int, q: float, reach: float) -> bool:
-        """Whether a drafter with probabilities proposes a token at its next position, where its
-        distribution's top probability is q, after `drafted` tokens whose top probabilities
-        multiply to `reach`. Asked before the token is sampled: a stop that looked at the sampled
-        token would change the distribution of what is proposed, and the verifier, which
-        assumes a proposed token was drawn from q, would no longer be lossless."""
-        if drafted == 0:
-            return self.max_tokens > 0
-        if drafted < self.max_tokens:
-            return q >= self.min_confidence
-        return drafted < self.max_tokens + self.extend_tokens and reach * q >= self.min_reach
-
-    def goes_on(self, drafted: int, reach: float) -> bool:
-        """Whether a token after the `drafted` ones (top probabilities multiplying to `reach`)
-        could still be taken: a drafter stops running its model once it cannot."""
-        if drafted < self.max_tokens:
-            return True
-        return drafted < self.max_tokens + self.extend_tokens and reach >= self.min_reach
-
-    @property
-    def limit(self) -> int:
-        """The most tokens a drafter may propose for this row."""
-        return self.max_tokens + self.extend_tokens if self.max_tokens > 0 else 0
 
 
 @runtime_checkable
@@ -84,13 +55,13 @@ class Drafter(Protocol):
     Per request: `begin`, then one `propose` per decoding step (every step, also
     those that draft nothing), then `end`. `propose` must not mutate a row's
     context and returns one Draft per row, in order, of at most `max_tokens`
-    tokens. A drafter with its own probabilities asks `row.takes` before each
-    position: it stops early once its top probability falls under
-    `min_confidence` (SpecDec++-style; the first token is always proposed when
-    max_tokens > 0) and may go on past `max_tokens`, up to `row.limit`, while it
-    stays confident (`extend_tokens`, `min_reach`); one without ignores them.
-    `end` is safe for an unknown request (the engine calls it in `finally`); a
-    request that was never begun raises ValueError in `propose`.
+    tokens; it stops early once its top probability at the next position falls
+    under `min_confidence` (SpecDec++-style), the first token always proposed when
+    max_tokens > 0. The stop is decided before the token is sampled: one that
+    looked at the sampled token would change the distribution of what is proposed,
+    and the verifier, which assumes a proposed token was drawn from q, would no
+    longer be lossless. `end` is safe for an unknown request (the engine calls it in
+    `finally`); a request that was never begun raises ValueError in `propose`.
     Not thread-safe: one engine drives a drafter at a time.
     """
 

@@ -352,21 +352,19 @@ class FeatureDrafter:
             return drafts
         h = self._catch_up([rows[i] for i in live], [states[i] for i in live])  # [B, d] pre-norm
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
-        reach = dict.fromkeys(live, 1.0)
         while live:
             logits = self.head(h if self.config.norm_output else self.norm(h))  # [B, V_draft]
             nxt, hs, toks = [], [], []
             for b, i in enumerate(live):
                 row = rows[i]
                 q = warp(logits[b], row.temperature, row.top_p) if row.temperature > 0 else torch.softmax(logits[b].float(), -1)
-                d, conf = drafts[i], float(q.max())  # decided before sampling: see DraftRow.takes
-                if not row.takes(len(d.tokens), conf, reach[i]):
+                d = drafts[i]
+                if d.tokens and float(q.max()) < row.min_confidence:  # before sampling: see Drafter
                     continue
                 j = int(q.argmax()) if row.temperature == 0 else int(torch.multinomial(q, 1, generator=row.generator))
                 d.tokens.append(int(self.draft_ids[j]))
                 qs[i].append(q)
-                reach[i] *= conf
-                if row.goes_on(len(d.tokens), reach[i]):
+                if len(d.tokens) < row.max_tokens:
                     nxt.append(i)
                     hs.append(h[b])
                     toks.append(d.tokens[-1])

@@ -44,8 +44,7 @@ class HybridDrafter:
             won = bool(spec.tokens) and spec.score >= self.threshold
             drafts.append(Draft(spec.tokens, "suffix") if won else None)
             k = 0 if won else row.max_tokens if self.model_k is None else min(row.max_tokens, self.model_k)
-            limit = row.limit if self.model_k is None else min(row.limit, self.model_k)
-            model_rows.append(dataclasses.replace(row, max_tokens=k, extend_tokens=max(limit - k, 0)))
+            model_rows.append(dataclasses.replace(row, max_tokens=k))
         model_drafts = self.model.propose(model_rows)
         return [d if d is not None else m for d, m in zip(drafts, model_drafts, strict=True)]
 

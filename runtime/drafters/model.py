@@ -86,21 +86,19 @@ class ModelDrafter:
             st.cached_ids = list(ctx)
         logits = self._forward(states, feeds)  # [B, V_drafter]
         rows_q: dict[int, list[torch.Tensor]] = {i: [] for i in live}
-        reach = dict.fromkeys(live, 1.0)
         while live:
             nxt, nxt_states, toks = [], [], []
             for b, (i, st) in enumerate(zip(live, states, strict=True)):
                 row = rows[i]
                 q = self._distribution(logits[b], row.temperature, row.top_p)  # [V_target]
-                d, conf = drafts[i], float(q.max())  # decided before sampling: see DraftRow.takes
-                if not row.takes(len(d.tokens), conf, reach[i]):
+                d = drafts[i]
+                if d.tokens and float(q.max()) < row.min_confidence:  # before sampling: see Drafter
                     continue
                 tok = (self._greedy_token(logits[b]) if row.temperature == 0.0
                        else int(torch.multinomial(q, 1, generator=row.generator)))
                 d.tokens.append(tok)
                 rows_q[i].append(q)
-                reach[i] *= conf
-                if row.goes_on(len(d.tokens), reach[i]):
+                if len(d.tokens) < row.max_tokens:
                     nxt.append(i)
                     nxt_states.append(st)
                     toks.append([tok])
