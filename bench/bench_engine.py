@@ -12,7 +12,8 @@ ratio to HF target-only and to ours target-only, acceptance, and each drafter's 
 draft token as a fraction of a target step (our target-only seconds per token).
 
 Before the rows it measures what returning the EAGLE-3 features costs a verify forward
-(k + 1 tokens, features on vs off, interleaved; the median ratio).
+(k + 1 tokens, features on vs off, interleaved; the median ratio). After them, untimed, it
+reports how well the head's confidence (its top probability) predicts acceptance.
 
     python -m bench.bench_engine --eagle bench/results/eagle-smol --k 4 --prompts 8 --max-new-tokens 64
 """
@@ -103,6 +104,37 @@ def ours_row(engine: SpeculativeEngine, ids: list[int], max_new: int) -> tuple[l
     return res.output_ids, time.perf_counter() - t, res.stats
 
 
+def calibration(engine: SpeculativeEngine, drafter, prompts: list[list[int]], max_new: int) -> list[dict]:
+    """How well a drafter's confidence (its top probability at a drafted position) predicts that
+    the position is accepted, given the ones before it were: every drafted position the target
+    reached, binned by confidence (greedy, the engine's fixed k; run untimed after the rows).
+    Adaptive k's confidence rule (runtime/adaptive.py) relies on it. `drafter` is the engine's."""
+    seen: list[list[float]] = []
+    propose = drafter.propose
+
+    def recording(rows):
+        drafts = propose(rows)
+        seen.extend(d.probs.max(-1).values.tolist() for d in drafts if d.tokens)
+        return drafts
+
+    drafter.propose = recording
+    edges = [0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001]
+    bins = [[0, 0] for _ in edges[1:]]
+    try:
+        for ids in prompts:
+            seen.clear()
+            steps = [s for s in engine.generate(ids, SamplingParams(max_new_tokens=max_new)).trace.steps if s.drafted]
+            for step, confs in zip(steps, seen, strict=True):
+                for i, c in enumerate(confs[: step.accepted + 1]):  # reached: all before accepted
+                    b = next(j for j in range(len(bins)) if c < edges[j + 1])
+                    bins[b][0] += 1
+                    bins[b][1] += i < step.accepted
+    finally:
+        del drafter.propose  # the class's method again
+    return [{"confidence": f"{edges[j]:.1f}-{min(edges[j + 1], 1.0):.1f}", "positions": n,
+             "accepted": round(a / n, 3) if n else None} for j, (n, a) in enumerate(bins)]
+
+
 def feature_overhead(target, width: int, reps: int = 40) -> dict:
     """Median seconds of a `width`-token verify forward with and without the EAGLE-3 features."""
     lean = LlamaTarget(target.model)
@@ -129,6 +161,8 @@ def main() -> None:
     ap.add_argument("--drafter", help="a model drafter dir: adds its rows and HF assisted generation with it")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--k-max", type=int, default=6, help="upper bound of the adaptive rows")
+    ap.add_argument("--min-confidence", type=float, default=DraftLengthConfig.min_confidence,
+                    help="the adaptive rows' per-token confidence stop within k")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=str(len(PROMPTS)), help="a count of built-in prompts or a .txt file")
     ap.add_argument("--device", default="cpu")
@@ -143,7 +177,7 @@ def main() -> None:
     tok, k, n = target.tokenizer, args.k, args.max_new_tokens
     gen_cfg = dict(pad_token_id=tok.pad_token_id or tok.eos_token_id)
     fixed = EngineConfig(draft=DraftLengthConfig(k=k))
-    adaptive = EngineConfig(draft=DraftLengthConfig(k=args.k_max, adaptive=True))
+    adaptive = EngineConfig(draft=DraftLengthConfig(k=args.k_max, adaptive=True, min_confidence=args.min_confidence))
     engines = {OURS_BASE: SpeculativeEngine.for_model(target, NoDrafter())}
     hf_rows = {HF_BASE: {}, f"HF prompt lookup k={k}": dict(prompt_lookup_num_tokens=k)}
     if args.eagle:
@@ -181,6 +215,11 @@ def main() -> None:
             rows[name].setdefault("match", []).append(out == ref)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
+    calib = []
+    if args.eagle:
+        eagle = load_feature_drafter(args.eagle, target)
+        engine = SpeculativeEngine.for_model(target, eagle, EngineConfig(draft=DraftLengthConfig(k=args.k_max)))
+        calib = calibration(engine, eagle, prompts, n)
     base, ours_base = statistics.median(rows[HF_BASE]["tps"]), statistics.median(rows[OURS_BASE]["tps"])
     step_s = 1.0 / ours_base  # one target step (our target-only seconds per token)
     table = []
@@ -200,7 +239,7 @@ def main() -> None:
             "outputs_equal_hf_greedy": all(r["match"]),
         })
     meta = {"target": target.model_id, "eagle": args.eagle, "model_drafter": args.drafter, "k": k,
-            "k_max_adaptive": args.k_max, "max_new_tokens": n, "prompts": len(prompts), "device": args.device,
+            "k_max_adaptive": args.k_max, "min_confidence": args.min_confidence, "max_new_tokens": n, "prompts": len(prompts), "device": args.device,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
@@ -217,8 +256,14 @@ def main() -> None:
         print(f"| {t['row']} | {t['tokens_per_s']} | {t['ratio_vs_hf']} | {t['ratio_vs_ours_target_only']} | "
               + " | ".join("—" if c is None else str(c) for c in cells)
               + f" | {split} | {t['outputs_equal_hf_greedy']} |")
+    if calib:
+        print(f"\nEAGLE-3 head's confidence vs acceptance (k = {args.k_max}, every drafted position reached):\n")
+        print("| top probability | positions | accepted |")
+        print("|---|---|---|")
+        for c in calib:
+            print(f"| {c['confidence']} | {c['positions']} | {c['accepted']} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": table, "calibration": calib}, indent=2))
 
 
 if __name__ == "__main__":

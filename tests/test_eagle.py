@@ -427,3 +427,17 @@ def test_a_round_learns_tokens_its_draft_vocabulary_lacked(stories, eagle_traffi
                             length=DraftLengthConfig(k=4), features=lambda t: passes[t.request_id].features)
         mal[refresh] = rep.stats.mean_acceptance_length
     assert mal[2] > mal[0] + 0.2, mal
+
+
+def test_the_heads_confidence_predicts_acceptance(stories, stories_eagle_dir, eagle_traffic):
+    """What adaptive k's confidence stop reads, as bench_engine measures it: positions the head is
+    sure of are accepted far more often than those it is not."""
+    from bench.bench_engine import calibration
+
+    drafter = build_drafter(DrafterConfig(kind="eagle", path=str(stories_eagle_dir)), stories)
+    engine = SpeculativeEngine.for_model(stories, drafter, EngineConfig(draft=DraftLengthConfig(k=6)))
+    bins = calibration(engine, drafter, [t.prompt_ids for t in eagle_traffic[135:141]], MAX_NEW)
+    assert "propose" not in vars(drafter)  # the recording hook is gone
+    filled = [b for b in bins if b["positions"] >= 10]
+    assert sum(b["positions"] for b in bins) > 100 and len(filled) >= 2
+    assert filled[-1]["accepted"] > filled[0]["accepted"] + 0.3, bins

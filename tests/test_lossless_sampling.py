@@ -108,15 +108,20 @@ def exact_joint(model) -> dict:
 
 def engine_joint_counts(target, draft_model, n: int, mode: str = "k3") -> dict:
     """mode "k3": 3 tokens a step. "min-confidence": adaptive k (for seeded requests: the
-    acceptance-only cap) whose drafter stops early where its confidence falls under 0.3, so the
+    acceptance-only cap) whose drafter stops early where its confidence falls under 0.62, so the
     draft length depends on what the drafter sampled before."""
-    length = {"k3": DraftLengthConfig(k=3), "min-confidence": DraftLengthConfig(k=3, adaptive=True, min_confidence=0.3)}[mode]
+    length = {"k3": DraftLengthConfig(k=3),
+              "min-confidence": DraftLengthConfig(k=3, adaptive=True, min_confidence=0.62)}[mode]
     engine = SpeculativeEngine(HFTarget(target), ModelDrafter(draft_model, VOCAB), eos_ids=set(), max_context=64,
                                config=EngineConfig(draft=length))
     counts: dict = {}
+    lengths = set()
     for seed in range(n):
-        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=TEMP, top_p=TOP_P, seed=seed)).output_ids
+        res = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=TEMP, top_p=TOP_P, seed=seed))
+        out = res.output_ids
         counts[tuple(out[1:3])] = counts.get(tuple(out[1:3]), 0) + 1
+        lengths.add(len(res.trace.steps[0].drafted))  # the first decode step: 2 tokens are still useful
+    assert lengths == ({2} if mode == "k3" else {1, 2})  # the confidence stop's lengths really vary
     return counts
 
 
