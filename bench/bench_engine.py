@@ -108,7 +108,7 @@ def calibration(engine: SpeculativeEngine, drafter, prompts: list[list[int]], ma
     """How well a drafter's confidence (its top probability at a drafted position) predicts that
     the position is accepted, given the ones before it were: every drafted position the target
     reached, binned by confidence (greedy, the engine's fixed k; run untimed after the rows).
-    Adaptive k's confidence rule (runtime/adaptive.py) relies on it. `drafter` is the engine's."""
+    Adaptive k's confidence stop (`min_confidence`) reads it. `drafter` is the engine's."""
     seen: list[list[float]] = []
     propose = drafter.propose
 
@@ -161,8 +161,9 @@ def main() -> None:
     ap.add_argument("--drafter", help="a model drafter dir: adds its rows and HF assisted generation with it")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--k-max", type=int, default=6, help="upper bound of the adaptive rows")
-    ap.add_argument("--min-confidence", type=float, default=DraftLengthConfig.min_confidence,
-                    help="the adaptive rows' per-token confidence stop within k")
+    ap.add_argument("--min-confidence", type=float, nargs="+", default=[DraftLengthConfig.min_confidence],
+                    help="the adaptive rows' per-token confidence stop within k; each further value adds an "
+                         "eagle adaptive row with it (an A/B in one run)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=str(len(PROMPTS)), help="a count of built-in prompts or a .txt file")
     ap.add_argument("--device", default="cpu")
@@ -177,7 +178,10 @@ def main() -> None:
     tok, k, n = target.tokenizer, args.k, args.max_new_tokens
     gen_cfg = dict(pad_token_id=tok.pad_token_id or tok.eos_token_id)
     fixed = EngineConfig(draft=DraftLengthConfig(k=k))
-    adaptive = EngineConfig(draft=DraftLengthConfig(k=args.k_max, adaptive=True, min_confidence=args.min_confidence))
+    if any(not 0.0 <= c < 1.0 for c in args.min_confidence):
+        raise SystemExit(f"--min-confidence values must be in [0, 1), got {args.min_confidence}")
+    stops = [DraftLengthConfig(k=args.k_max, adaptive=True, min_confidence=c) for c in args.min_confidence]
+    adaptive = EngineConfig(draft=stops[0])
     engines = {OURS_BASE: SpeculativeEngine.for_model(target, NoDrafter())}
     hf_rows = {HF_BASE: {}, f"HF prompt lookup k={k}": dict(prompt_lookup_num_tokens=k)}
     if args.eagle:
@@ -185,6 +189,9 @@ def main() -> None:
         engines[f"ours eagle k={k}"] = SpeculativeEngine.for_model(target, eagle, fixed)
         engines["ours eagle adaptive"] = SpeculativeEngine.for_model(
             target, load_feature_drafter(args.eagle, target), adaptive)
+        for stop in stops[1:]:
+            engines[f"ours eagle adaptive, min_confidence {stop.min_confidence}"] = SpeculativeEngine.for_model(
+                target, load_feature_drafter(args.eagle, target), EngineConfig(draft=stop))
     engines[f"ours lookup k={k}"] = SpeculativeEngine.for_model(target, PromptLookupDrafter(), fixed)
     engines["ours lookup adaptive"] = SpeculativeEngine.for_model(target, PromptLookupDrafter(), adaptive)
     if args.drafter:

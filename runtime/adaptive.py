@@ -16,8 +16,11 @@ noticed. In a batch the widths are padded to the longest row, so the batch share
 cap K, chosen the same way over the sum of the rows' expected tokens: as the batch
 grows, verifying another position costs more rows of compute and the best K shrinks.
 
-The drafter also stops early on its own once its probability for its next token falls
-under `min_confidence` (SpecDec++ / HF `assistant_confidence_threshold`).
+A drafter with probabilities can also stop early on its own once its top probability at
+the next position falls under `min_confidence` (SpecDec++ / HF
+`assistant_confidence_threshold`). Off by default (0): the rule above already prices every
+drafted token, and the stop on top of it cut positions that paid — the EAGLE-3 head's
+confidence is not calibrated (docs/benchmarks.md: 8-11 % fewer tokens/s with 0.3, side by side).
 
 Seeded sampled requests promise the same output every time, alone or batched, so their
 k must not depend on timings or on other requests: they use the acceptance-only rule
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 class DraftLengthConfig:
     k: int = 4  # fixed k, and the upper bound in adaptive mode
     adaptive: bool = False
-    min_confidence: float = 0.3
+    min_confidence: float = 0.0  # adaptive: a drafter stops under this top probability (module docstring)
     min_reach_prob: float = 0.2  # seeded sampled requests: cap k where reaching it gets this unlikely
     prior: float = 1.0  # Beta(prior, prior) smoothing of acceptance counts
     prior_strength: float = 4.0  # pseudo-steps of the drafter version's acceptance a request starts from
