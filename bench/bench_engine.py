@@ -178,9 +178,10 @@ def main() -> None:
     tok, k, n = target.tokenizer, args.k, args.max_new_tokens
     gen_cfg = dict(pad_token_id=tok.pad_token_id or tok.eos_token_id)
     fixed = EngineConfig(draft=DraftLengthConfig(k=k))
-    if any(not 0.0 <= c < 1.0 for c in args.min_confidence):
-        raise SystemExit(f"--min-confidence values must be in [0, 1), got {args.min_confidence}")
-    stops = [DraftLengthConfig(k=args.k_max, adaptive=True, min_confidence=c) for c in args.min_confidence]
+    try:
+        stops = [DraftLengthConfig(k=args.k_max, adaptive=True, min_confidence=c) for c in args.min_confidence]
+    except ValueError as e:  # DraftLengthConfig checks its own bounds
+        raise SystemExit(f"--min-confidence: {e}") from None
     adaptive = EngineConfig(draft=stops[0])
     engines = {OURS_BASE: SpeculativeEngine.for_model(target, NoDrafter())}
     hf_rows = {HF_BASE: {}, f"HF prompt lookup k={k}": dict(prompt_lookup_num_tokens=k)}
@@ -223,8 +224,7 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     calib = []
-    if args.eagle:
-        eagle = load_feature_drafter(args.eagle, target)
+    if args.eagle:  # the fixed-k row's head again (its requests are all done), at k_max
         engine = SpeculativeEngine.for_model(target, eagle, EngineConfig(draft=DraftLengthConfig(k=args.k_max)))
         calib = calibration(engine, eagle, prompts, n)
     base, ours_base = statistics.median(rows[HF_BASE]["tps"]), statistics.median(rows[OURS_BASE]["tps"])

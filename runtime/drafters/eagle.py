@@ -358,10 +358,11 @@ class FeatureDrafter:
             for b, i in enumerate(live):
                 row = rows[i]
                 q = warp(logits[b], row.temperature, row.top_p) if row.temperature > 0 else torch.softmax(logits[b].float(), -1)
+                top, j = q.max(-1)  # one pass: the confidence, and the greedy token
                 d = drafts[i]
-                if d.tokens and float(q.max()) < row.min_confidence:  # before sampling: see Drafter
+                if d.tokens and float(top) < row.min_confidence:  # before sampling: see Drafter
                     continue
-                j = int(q.argmax()) if row.temperature == 0 else int(torch.multinomial(q, 1, generator=row.generator))
+                j = int(j) if row.temperature == 0 else int(torch.multinomial(q, 1, generator=row.generator))
                 d.tokens.append(int(self.draft_ids[j]))
                 qs[i].append(q)
                 if len(d.tokens) < row.max_tokens:
