@@ -136,6 +136,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
             champion_dir, version = work / cand_version, cand_version
         else:
             shutil.rmtree(work / cand_version, ignore_errors=True)
+    if args.references == "none":
+        return frozen, adapted, rounds, t_train, {"init": str(init_dir)}
     # the references: the same head distilled offline on the stream, as many steps as all rounds together --
     # on the whole stream and scored on it (it has trained on every request it is scored on), and
     # cross-fitted: trained on one half of the stream (every other request, all domains) and scored on

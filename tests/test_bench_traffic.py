@@ -119,3 +119,18 @@ def test_the_gate_holds_out_the_newest_traces_or_the_same_share_spread_over_the_
     for bad in ((8, 0, "newest"), (8, 8, "newest"), (8, 2, "oldest")):
         with pytest.raises(ValueError):
             held_out(*bad)
+
+
+def test_the_ceiling_bench_trains_on_distinct_prompts_of_the_pool_that_the_adaptation_bench_does_not_serve():
+    from bench.adaptation_ceiling import POOL_SIZES, steps_for, training_sizes
+
+    for domain, size in POOL_SIZES.items():
+        assert len(set(prompt_pool(domain, size))) == size
+        served = set(prompt_pool(domain, 40))
+        assert served.isdisjoint(prompt_pool(domain, size)[40:])  # what it trains on (default --per-domain)
+    assert training_sizes([40, 120, 360], 360) == [40, 120, 360]
+    assert training_sizes([360, 40, 120], 200) == [40, 120, 200]  # capped at the pool, with a warning
+    assert training_sizes([40, 40], 140) == [40]
+    with pytest.raises(ValueError):
+        training_sizes([0, 40], 140)
+    assert steps_for(40, 10, 8) == 50 and steps_for(41, 10, 8) == 52 and steps_for(1, 0.1, 8) == 1
