@@ -135,8 +135,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     ap.add_argument("--kind", choices=("eagle", "model"), default="eagle")
     ap.add_argument("--references", choices=("both", "none"), default="both",
-                    help="eagle: distil the two offline references (c) after the online run, or skip them "
-                         "(they take about as long as the online run again, twice over)")
+                    help="eagle: distil the offline references (c) after the online run, or skip them (three "
+                         "distillations, each as many steps as all rounds together: longer than the online run)")
     ap.add_argument("--init-minutes", type=float, default=5.0, help="eagle: offline warm start of the initial head")
     ap.add_argument("--init-requests", type=int, default=200, help="eagle: topics prompts of that warm start")
     ap.add_argument("--out", help="result prefix (default: bench/results/adaptation-eagle, or bench/results/adaptation "
