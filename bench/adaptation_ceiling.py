@@ -29,7 +29,15 @@ from pathlib import Path
 
 from bench.adaptation_eagle import as_trace, initial_head, per_request
 from bench.bench_adaptation import load_traffic, summary
-from bench.traffic import THREADS_HELP, Request, chat_ids, greedy_traffic, prompt_pool, start_run
+from bench.traffic import (
+    THREADS_HELP,
+    Request,
+    cached_requests,
+    chat_ids,
+    greedy_traffic,
+    prompt_pool,
+    start_run,
+)
 from online.config import TrainerConfig
 from online.replay import replay_traces
 from online.trainer.eagle import distill_eagle
@@ -67,16 +75,15 @@ def domain_traffic(target, domain: str, n: int, args, cache: Path) -> list[Reque
     pool's prompts after its first `per_domain`, in the bench's order), cached."""
     key = {"target": target.model_id, "domain": domain, "n": n, "skip": args.per_domain,
            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8}
-    if cache.exists():
-        data = json.loads(cache.read_text())
-        if data.get("key") == key:
-            return [Request(**r) for r in data["requests"]]
-    prompts = prompt_pool(domain, args.per_domain + n, seed=args.seed)[args.per_domain :]
-    t0 = time.perf_counter()
-    out = greedy_traffic(target, [chat_ids(target, p) for p in prompts], args.max_new_tokens, tag=domain)
-    log.info("target answered %d more %s prompts in %.0fs", n, domain, time.perf_counter() - t0)
-    cache.write_text(json.dumps({"key": key, "requests": [r.__dict__ for r in out]}))
-    return out
+
+    def answer() -> list[Request]:
+        prompts = prompt_pool(domain, args.per_domain + n, seed=args.seed)[args.per_domain :]
+        t0 = time.perf_counter()
+        out = greedy_traffic(target, [chat_ids(target, p) for p in prompts], args.max_new_tokens, tag=domain)
+        log.info("target answered %d more %s prompts in %.0fs", n, domain, time.perf_counter() - t0)
+        return out
+
+    return cached_requests(cache, key, answer)
 
 
 def verbatim_memory(traffic: list[Request], domains: list[str], k: int, vocab: int) -> dict:
@@ -92,6 +99,14 @@ def verbatim_memory(traffic: list[Request], domains: list[str], k: int, vocab: i
             key = "earlier_outputs" if write_through else "own_request_only"
             out.setdefault(d, {})[key] = summary([stats[i] for i in idx])["mean_acceptance_length"]
     return out
+
+
+def score(path: Path, version: str, target, traces: list, passes: dict, k: int) -> dict:
+    """The eagle head at `path` replayed at fixed `k` over `traces`, with the target's features from `passes`."""
+    rep = replay_traces(traces, load_feature_drafter(path, target, version=version), length=DraftLengthConfig(k=k),
+                        vocab_size=target.vocab_size, features=lambda t: passes[t.request_id].features,
+                        keep_traces=True)
+    return summary(per_request(rep.traces))
 
 
 def main() -> None:
@@ -115,16 +130,18 @@ def main() -> None:
     args = ap.parse_args()
     try:
         sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-        domains, scale = args.domains.split(","), [d for d in args.scale_domains.split(",") if d]
     except ValueError:
         ap.error(f"--sizes takes comma-separated integers, got {args.sizes!r}")
+    domains, scale = args.domains.split(","), [d for d in args.scale_domains.split(",") if d]
     if unknown := [d for d in scale if d not in domains or d not in POOL_SIZES]:
         ap.error(f"--scale-domains {unknown}: each must be one of the bench's --domains {domains} "
                  f"with a prompt pool ({', '.join(POOL_SIZES)})")
-    if not sizes or min(sizes) < 1:
-        ap.error(f"--sizes must be positive request counts, got {args.sizes!r}")
     if any(POOL_SIZES[d] <= args.per_domain for d in scale):
         ap.error(f"--per-domain {args.per_domain} leaves no other prompts of {scale} to train on")
+    try:
+        plan = {d: training_sizes(sizes, POOL_SIZES[d] - args.per_domain) for d in scale}
+    except ValueError as e:
+        ap.error(str(e))
     out, work = start_run(args)
     t_start = time.perf_counter()
     target = load_model(args.target)
@@ -133,28 +150,19 @@ def main() -> None:
     result = {"config": vars(args), "init": str(init),
               "verbatim_memory": verbatim_memory(traffic, domains, args.k, target.vocab_size), "scaling": {}}
     aux = EagleConfig.read(init).aux_layers
-    length = DraftLengthConfig(k=args.k)
-    for d in scale:
-        ns = training_sizes(sizes, POOL_SIZES[d] - args.per_domain)
+    for d, ns in plan.items():
         extra = domain_traffic(target, d, max(ns), args, out.parent / f"{out.name}_{d}_traffic.json")
         bench = [as_trace(i, r) for i, r in enumerate(traffic) if r.tag == d]
         train = [as_trace(len(traffic) + i, r) for i, r in enumerate(extra)]
         passes = target_passes(target, aux, bench + train)
-
-        def score(path: Path, version: str) -> dict:
-            rep = replay_traces(bench, load_feature_drafter(path, target, version=version), length=length,  # noqa: B023
-                                vocab_size=target.vocab_size, features=lambda t: passes[t.request_id].features,  # noqa: B023
-                                keep_traces=True)
-            return summary(per_request(rep.traces))
-
-        rows = result["scaling"][d] = {"frozen": score(init, "initial")}
+        rows = result["scaling"][d] = {"frozen": score(init, "initial", target, bench, passes, args.k)}
         for n in ns:
             cfg = TrainerConfig(steps=steps_for(n, args.epochs, args.batch_size), batch_size=args.batch_size,
                                 lr=args.lr, ce_weight=0.2, seed=args.seed, warmup_steps=2,
                                 vocab_refresh=args.vocab_refresh)
             t0 = time.perf_counter()
             distill_eagle(init, train[:n], work / f"{d}-{n}", cfg, target, passes=passes, version=f"{d}-{n}")
-            row = score(work / f"{d}-{n}", f"{d}-{n}")
+            row = score(work / f"{d}-{n}", f"{d}-{n}", target, bench, passes, args.k)
             row.update(steps=cfg.steps, train_s=round(time.perf_counter() - t0, 1),
                        gain=round(row["acceptance_rate"] - rows["frozen"]["acceptance_rate"], 3))
             rows[str(n)] = row

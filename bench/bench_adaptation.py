@@ -52,6 +52,7 @@ import torch
 from bench.traffic import (
     THREADS_HELP,
     Request,
+    cached_requests,
     chat_ids,
     drafter_predictions,
     greedy_traffic,
@@ -96,18 +97,16 @@ def recovery(adapted: list[float], start: int, end: int, w: int) -> int | None:
 def load_traffic(target, args, cache: Path) -> list[Request]:
     key = {"target": target.model_id, "domains": args.domains, "per_domain": args.per_domain,
            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8}
-    if cache.exists():
-        data = json.loads(cache.read_text())
-        if data.get("key") == key:
-            return [Request(**r) for r in data["requests"]]
-    traffic: list[Request] = []
-    for domain in args.domains.split(","):
-        ids = [chat_ids(target, p) for p in prompt_pool(domain, args.per_domain, seed=args.seed)]
-        traffic += greedy_traffic(target, ids, args.max_new_tokens, tag=domain)
-        log.info("target answered %d %s prompts", len(ids), domain)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"key": key, "requests": [r.__dict__ for r in traffic]}))
-    return traffic
+
+    def answer() -> list[Request]:
+        traffic: list[Request] = []
+        for domain in args.domains.split(","):
+            ids = [chat_ids(target, p) for p in prompt_pool(domain, args.per_domain, seed=args.seed)]
+            traffic += greedy_traffic(target, ids, args.max_new_tokens, tag=domain)
+            log.info("target answered %d %s prompts", len(ids), domain)
+        return traffic
+
+    return cached_requests(cache, key, answer)
 
 
 def main() -> None:

@@ -246,7 +246,8 @@ def main() -> None:
             "outputs_equal_hf_greedy": all(r["match"]),
         })
     meta = {"target": target.model_id, "eagle": args.eagle, "model_drafter": args.drafter, "k": k,
-            "k_max_adaptive": args.k_max, "min_confidence": args.min_confidence, "max_new_tokens": n, "prompts": len(prompts), "device": args.device,
+            "k_max_adaptive": args.k_max, "min_confidence": args.min_confidence, "max_new_tokens": n,
+            "prompts": len(prompts), "device": args.device,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],

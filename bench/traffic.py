@@ -22,10 +22,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +159,19 @@ class Request:
     topk_logprobs: list[list[float]] = field(default_factory=list)
     tag: str | None = None
 
+
+
+def cached_requests(cache: Path, key: dict, make: Callable[[], list[Request]]) -> list[Request]:
+    """The requests stored in `cache` under `key`; when the file is missing or its key differs,
+    `make()`'s, stored there first."""
+    if cache.exists():
+        data = json.loads(cache.read_text())
+        if data.get("key") == key:
+            return [Request(**r) for r in data["requests"]]
+    out = make()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "requests": [r.__dict__ for r in out]}))
+    return out
 
 @torch.inference_mode()
 def greedy_traffic(

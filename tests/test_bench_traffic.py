@@ -134,3 +134,20 @@ def test_the_ceiling_bench_trains_on_distinct_prompts_of_the_pool_that_the_adapt
     with pytest.raises(ValueError):
         training_sizes([0, 40], 140)
     assert steps_for(40, 10, 8) == 50 and steps_for(41, 10, 8) == 52 and steps_for(1, 0.1, 8) == 1
+
+
+def test_cached_requests_are_read_back_while_the_key_matches_and_made_again_when_it_does_not(tmp_path):
+    from bench.traffic import cached_requests
+
+    made = []
+
+    def make(tag):
+        def answer():
+            made.append(tag)
+            return [Request([1, 2], [3, 4], 2, "length", [[3]], [[-0.1]], tag)]
+        return answer
+
+    cache = tmp_path / "sub" / "traffic.json"
+    first = cached_requests(cache, {"n": 1}, make("a"))
+    assert cached_requests(cache, {"n": 1}, make("b")) == first and made == ["a"]
+    assert cached_requests(cache, {"n": 2}, make("c"))[0].tag == "c" and made == ["a", "c"]
