@@ -84,6 +84,19 @@ def held_out(n: int, n_hold: int, mode: str = "newest") -> set[int]:
     raise ValueError(f"unknown holdout mode {mode!r}: newest or spread")
 
 
+def after_gate(champion: Path, parent: Path, candidate: Path, promoted: bool, lineage: str, keep: Path
+               ) -> tuple[Path, Path, set[Path]]:
+    """(champion, the next round's parent, directories no longer needed) after a round's gate.
+    lineage "champion": a round trains from the champion (what the daemon does); "trainee": from the
+    previous round's candidate, promoted or not (the gate still decides what serves). `keep` (the
+    initial head) is never among the unneeded."""
+    if lineage not in ("champion", "trainee"):
+        raise ValueError(f"unknown lineage {lineage!r}: champion or trainee")
+    new_champion = candidate if promoted else champion
+    new_parent = candidate if lineage == "trainee" else new_champion
+    return new_champion, new_parent, {champion, parent, candidate} - {keep, new_champion, new_parent}
+
+
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
     init_dir = Path(args.drafter) if args.drafter else initial_head(args, target, out.parent)
     logged = [as_trace(i, r) for i, r in enumerate(traffic)]
@@ -103,6 +116,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
                         promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2,
                         vocab_refresh=args.vocab_refresh)
     champion_dir, version = init_dir, "initial"
+    parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
     served: list[RequestTrace] = []
     adapted: list[RequestStats] = []
     rounds, t_train, total_steps = [], 0.0, 0
@@ -118,7 +132,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()
         cand_version = f"round{len(rounds) + 1}"
-        res = distill_eagle(champion_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)
+        res = distill_eagle(parent_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)
         total_steps += res.steps
         c = ReplayMetrics.from_report(replay(work / cand_version, hold, cand_version))
         h = ReplayMetrics.from_report(replay(champion_dir, hold, version))
@@ -131,11 +145,11 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
                        "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
         log.info("round %d after %d requests: %s (%.0fs)", len(rounds), r0 + len(block), reason, seconds)
         if promoted:
-            if champion_dir != init_dir:
-                shutil.rmtree(champion_dir, ignore_errors=True)
-            champion_dir, version = work / cand_version, cand_version
-        else:
-            shutil.rmtree(work / cand_version, ignore_errors=True)
+            version = cand_version
+        champion_dir, parent_dir, unused = after_gate(champion_dir, parent_dir, work / cand_version, promoted,
+                                                      args.lineage, keep=init_dir)
+        for d in unused:
+            shutil.rmtree(d, ignore_errors=True)
     if args.references == "none":
         return frozen, adapted, rounds, t_train, {"init": str(init_dir)}
     # the references: the same head distilled offline on the stream, as many steps as all rounds together --

@@ -129,6 +129,9 @@ def main() -> None:
     ap.add_argument("--vocab-refresh", type=int, default=TrainerConfig.vocab_refresh,
                     help="eagle: a round admits output tokens seen this often in its window into the draft "
                          "vocabulary (0: the vocabulary stays fixed)")
+    ap.add_argument("--lineage", choices=("champion", "trainee"), default="champion",
+                    help="eagle: a round trains from the champion, or from the previous round's candidate "
+                         "whether or not the gate promoted it (the gate still decides what serves)")
     ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.traffic import (
@@ -119,6 +121,23 @@ def test_the_gate_holds_out_the_newest_traces_or_the_same_share_spread_over_the_
     for bad in ((8, 0, "newest"), (8, 8, "newest"), (8, 2, "oldest")):
         with pytest.raises(ValueError):
             held_out(*bad)
+
+
+def test_a_round_trains_from_the_champion_or_from_the_last_candidate_and_frees_what_neither_needs():
+    from bench.adaptation_eagle import after_gate
+
+    init, champ, cand = Path("init"), Path("round1"), Path("round2")
+    # the daemon's rule: the next round trains from the champion; a rejected candidate is freed
+    assert after_gate(champ, champ, cand, False, "champion", keep=init) == (champ, champ, {cand})
+    assert after_gate(champ, champ, cand, True, "champion", keep=init) == (cand, cand, {champ})
+    # trainee: the next round trains on from the candidate even when the gate rejected it
+    assert after_gate(champ, champ, cand, False, "trainee", keep=init) == (champ, cand, set())
+    assert after_gate(champ, Path("round1b"), cand, False, "trainee", keep=init) == (champ, cand, {Path("round1b")})
+    # the initial head is never freed
+    assert after_gate(init, init, cand, True, "champion", keep=init) == (cand, cand, set())
+    assert after_gate(init, init, cand, False, "champion", keep=init) == (init, init, {cand})
+    with pytest.raises(ValueError, match="lineage"):
+        after_gate(champ, champ, cand, True, "newest", keep=init)
 
 
 def test_the_ceiling_bench_trains_on_distinct_prompts_of_the_pool_that_the_adaptation_bench_does_not_serve():
