@@ -27,7 +27,7 @@ import math
 import time
 from pathlib import Path
 
-from bench.adaptation_eagle import as_trace, initial_head, per_request
+from bench.adaptation_eagle import as_trace, initial_head, per_request, replay_head
 from bench.bench_adaptation import load_traffic, summary
 from bench.traffic import (
     THREADS_HELP,
@@ -44,7 +44,6 @@ from online.trainer.eagle import distill_eagle
 from online.trainer.round import target_passes
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
-from runtime.drafters.factory import load_feature_drafter
 from runtime.drafters.suffix import SuffixDrafter
 from runtime.loader import load_model
 
@@ -103,10 +102,7 @@ def verbatim_memory(traffic: list[Request], domains: list[str], k: int, vocab: i
 
 def score(path: Path, version: str, target, traces: list, passes: dict, k: int) -> dict:
     """The eagle head at `path` replayed at fixed `k` over `traces`, with the target's features from `passes`."""
-    rep = replay_traces(traces, load_feature_drafter(path, target, version=version), length=DraftLengthConfig(k=k),
-                        vocab_size=target.vocab_size, features=lambda t: passes[t.request_id].features,
-                        keep_traces=True)
-    return summary(per_request(rep.traces))
+    return summary(per_request(replay_head(path, version, target, traces, passes, k).traces))
 
 
 def main() -> None:

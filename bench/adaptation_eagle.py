@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from bench.traffic import Request, chat_ids, prompt_pool
 from online.config import TrainerConfig
-from online.replay import replay_traces
+from online.replay import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
 from online.trainer.round import ReplayMetrics, decide, target_passes
 from online.trainer.warmstart import answer_prompts, warm_start
@@ -46,6 +46,15 @@ def initial_head(args, target, cache: Path) -> Path:
     log.info("initial head: %d topics requests, %.0fs of training, held-out MAL %.3f", res.train_traces,
              res.train_seconds, res.curve[-1].heldout_mean_acceptance_length if res.curve else float("nan"))
     return out
+
+
+def replay_head(path: Path, version: str, target, traces: list[RequestTrace], passes: dict, k: int
+                ) -> ReplayReport:
+    """The eagle head at `path` replayed through the engine loop at fixed `k` over `traces` (kept in the
+    report), with the target's features from `passes` (request id -> TargetPass)."""
+    return replay_traces(traces, load_feature_drafter(path, target, version=version), length=DraftLengthConfig(k=k),
+                         vocab_size=target.vocab_size, features=lambda t: passes[t.request_id].features,
+                         keep_traces=True)
 
 
 def per_request(traces: list[RequestTrace]) -> list[RequestStats]:
@@ -103,13 +112,9 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
     t0 = time.perf_counter()
     passes = target_passes(target, EagleConfig.read(init_dir).aux_layers, logged)
     log.info("target features for %d requests in %.0fs", len(logged), time.perf_counter() - t0)
-    length = DraftLengthConfig(k=args.k)
 
-    def replay(path: Path, traces: list[RequestTrace], version: str):
-        rep = replay_traces(traces, load_feature_drafter(path, target, version=version), length=length,
-                            vocab_size=target.vocab_size, features=lambda t: passes[t.request_id].features,
-                            keep_traces=True)
-        return rep
+    def replay(path: Path, traces: list[RequestTrace], version: str) -> ReplayReport:
+        return replay_head(path, version, target, traces, passes, args.k)
 
     frozen = per_request(replay(init_dir, logged, "initial").traces)
     cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,

@@ -160,7 +160,6 @@ class Request:
     tag: str | None = None
 
 
-
 def cached_requests(cache: Path, key: dict, make: Callable[[], list[Request]]) -> list[Request]:
     """The requests stored in `cache` under `key`; when the file is missing or its key differs,
     `make()`'s, stored there first."""
@@ -172,6 +171,7 @@ def cached_requests(cache: Path, key: dict, make: Callable[[], list[Request]]) -
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"key": key, "requests": [r.__dict__ for r in out]}))
     return out
+
 
 @torch.inference_mode()
 def greedy_traffic(
