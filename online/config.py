@@ -3,8 +3,8 @@
 Sections are typed dataclasses with defaults. An environment variable
 `LIVEDRAFT_<SECTION>__<FIELD>` (double underscore) overrides `[section] field`
 in the file; `LIVEDRAFT_CONFIG` names the file; `LIVEDRAFT_API_KEY` sets `[serve] api_key`;
-`LIVEDRAFT_DATA_DIR` sets
-`data_dir`. Unknown keys are errors, so a typo never silently does nothing.
+`LIVEDRAFT_DATA_DIR` sets `data_dir` and `LIVEDRAFT_LLAMA_SERVER` sets `llama_server` (top-level
+keys). Unknown keys are errors, so a typo never silently does nothing.
 """
 
 from __future__ import annotations
@@ -174,6 +174,23 @@ class ServeConfig:
     rollback_max_drop: float = 0.5  # roll back when the new version keeps < (1 - this) of the old gain
 
 
+ENGINES = ("livedraft", "llama-server")  # EngineConfig.kind
+
+
+@dataclass
+class EngineConfig:
+    """The serving engine behind `serve` / `up`: livedraft's own, or a llama-server it supervises."""
+
+    kind: str = "livedraft"  # livedraft | llama-server (the binary: llama_server)
+    threads: int = 0  # llama-server's -t / -tb; 0 = llama.cpp's default
+    parallel: int = 4  # llama-server's slots (requests decoded together)
+    ctx_per_slot: int = 2048  # context per slot (prompt + completion)
+    target_type: str = "f32"  # the GGUF written from a Hugging Face target directory (f32, f16, bf16, q8_0)
+    start_timeout_s: float = 120.0  # a llama-server not healthy by then failed to start
+    wait_s: float = 30.0  # a request waits this long for a restarting llama-server, then 503
+    min_speedup: float = 1.05  # a head is served only when the cost rule expects at least this speed-up
+
+
 @dataclass
 class DaemonConfig:
     """`livedraft daemon`: collector, trainer schedule and cache maintainer in one process."""
@@ -194,6 +211,9 @@ class DaemonConfig:
 @dataclass
 class Config:
     data_dir: str = "~/.livedraft"  # everything local lives here (env LIVEDRAFT_DATA_DIR)
+    # llama.cpp's llama-server (a file, a directory holding it, or a name on PATH; env LIVEDRAFT_LLAMA_SERVER);
+    # empty: the one `livedraft engine install llama-server` built under models.cache_dir, then PATH
+    llama_server: str = ""
     models: ModelsConfig = field(default_factory=ModelsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -201,6 +221,7 @@ class Config:
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
 
     @property
