@@ -68,13 +68,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     export = dsub.add_parser("export", help="write a drafter in another engine's format")
     export.add_argument("dir", help="an eagle drafter directory (or a registry version's download)")
-    export.add_argument("--format", choices=("speculators",), default="speculators",
+    export.add_argument("--format", choices=tuple(EXPORTERS), default="speculators",
                         help="speculators: vllm-project/speculators' Eagle3 layout, which vLLM's "
-                             "--speculative-config loads")
-    export.add_argument("--out", required=True)
-    export.add_argument("--verifier", help="the target's name or path as vLLM should load it "
+                             "--speculative-config loads; gguf: llama.cpp's EAGLE-3 GGUF, which "
+                             "`llama-server -md FILE --spec-type draft-eagle3` loads")
+    export.add_argument("--out", required=True, help="speculators: a new or empty directory; gguf: a new file")
+    export.add_argument("--verifier", help="speculators: the target's name or path as vLLM should load it "
                                            "(default: what the head was made from)")
-    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    export.add_argument("--target", help="gguf: the target whose tokenizer the head carries: its .gguf file (as "
+                                         "llama-server loads it), a model directory or smollm2-135m (default: "
+                                         "what the head was made from)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="weight precision (default float32: llama-server drafts exactly as livedraft)")
     export.set_defaults(func=export_drafter)
 
     reg = dsub.add_parser("register", help="register a drafter directory as a new version in the MLflow registry")
@@ -218,14 +223,32 @@ def _n_train(n: int, heldout: int) -> int:
 
 
 def export_drafter(args: argparse.Namespace) -> int:
-    from runtime.drafters.eagle import export_speculators, is_eagle_dir
+    from runtime.drafters.eagle import is_eagle_dir
 
     if not is_eagle_dir(args.dir):
         raise LivedraftError(f"{args.dir} is not an eagle drafter (no config.json with speculators_model_type "
-                             "'eagle3'): only eagle heads have a speculators export")
-    out = export_speculators(args.dir, args.out, verifier=args.verifier, dtype=args.dtype)
-    print(out)
+                             f"'eagle3'): only eagle heads have a {args.format} export")
+    print(EXPORTERS[args.format](args))
     return 0
+
+
+def _export_speculators(args: argparse.Namespace) -> Path:
+    from runtime.drafters.eagle import export_speculators
+
+    if args.target:
+        raise LivedraftError("--target is for --format gguf; a speculators export names its target with --verifier")
+    return export_speculators(args.dir, args.out, verifier=args.verifier, dtype=args.dtype)
+
+
+def _export_gguf(args: argparse.Namespace) -> Path:
+    from runtime.drafters.eagle_gguf import export_gguf
+
+    if args.verifier:
+        raise LivedraftError("--verifier is for --format speculators; a GGUF head takes its target with --target")
+    return export_gguf(args.dir, args.out, target=args.target, dtype=args.dtype)
+
+
+EXPORTERS = {"speculators": _export_speculators, "gguf": _export_gguf}  # --format -> writer
 
 
 def _layers(spec: str | None) -> list[int] | None:
