@@ -11,7 +11,10 @@ The object form is shared by both encodings (JSONL export uses it too):
      "temperature": float, "top_p": float, "seed": int | None, "max_new_tokens": int,
      "finish_reason": str, "tag": str | None,
      "timings": {"prefill_s": float, "draft_s": float, "verify_s": float, "total_s": float},
-     "created_at": float, "finished_at": float}
+     "created_at": float, "finished_at": float,
+     # optional, from an engine without per-step records (llama-server):
+     "counts": [steps, drafted, accepted],
+     "topk": [[[topk_ids], [topk_logprobs]] per output position]}
 
 Steps are positional arrays because a trace has dozens of them. Adding an optional
 key keeps the schema version (readers ignore keys they do not know); any other
@@ -29,7 +32,7 @@ from typing import Any
 import msgpack
 
 from runtime.errors import LivedraftError
-from runtime.trace import SCHEMA_VERSION, RequestTrace, StepRecord, Timings
+from runtime.trace import SCHEMA_VERSION, DraftCounts, RequestTrace, StepRecord, Timings
 
 
 class EventDecodeError(LivedraftError, ValueError):
@@ -54,7 +57,7 @@ def trace_to_obj(trace: RequestTrace) -> dict[str, Any]:
         else:
             steps.append([s.pos, s.drafted, si, s.accepted, s.topk_ids, s.topk_logprobs])
     t = trace.timings
-    return {
+    obj = {
         "schema_version": trace.schema_version, "event_id": trace.event_id,
         "request_id": trace.request_id, "trace_id": trace.trace_id,
         "target_model": trace.target_model, "drafter_version": trace.drafter_version,
@@ -66,6 +69,11 @@ def trace_to_obj(trace: RequestTrace) -> dict[str, Any]:
         "timings": {"prefill_s": t.prefill_s, "draft_s": t.draft_s, "verify_s": t.verify_s, "total_s": t.total_s},
         "created_at": trace.created_at, "finished_at": trace.finished_at,
     }
+    if trace.counts is not None:
+        obj["counts"] = [trace.counts.steps, trace.counts.drafted, trace.counts.accepted]
+    if trace.position_topk is not None:
+        obj["topk"] = [[ids, lps] for ids, lps in trace.position_topk]
+    return obj
 
 
 def trace_from_obj(obj: Any) -> RequestTrace:
@@ -142,7 +150,30 @@ def _decode_v1(o: dict[str, Any]) -> RequestTrace:
         trace_id=_str(o, "trace_id"),
         event_id=_str(o, "event_id"),
         schema_version=1,
+        counts=_counts(o.get("counts")),
+        position_topk=_position_topk(o.get("topk")),
     )
+
+
+def _counts(v: Any) -> DraftCounts | None:
+    if v is None:
+        return None
+    if type(v) is not list or len(v) != 3 or not all(type(x) is int and x >= 0 for x in v):
+        raise EventDecodeError(f"counts must be [steps, drafted, accepted] (ints >= 0), got {v!r:.80}")
+    return DraftCounts(*v)
+
+
+def _position_topk(v: Any) -> list[tuple[list[int], list[float]]] | None:
+    if v is None:
+        return None
+    out = []
+    for item in _list(v, "topk"):
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not list or type(item[1]) is not list \
+                or len(item[0]) != len(item[1]):
+            raise EventDecodeError(f"a topk entry must be [[ids], [logprobs]] of one length, got {item!r:.80}")
+        array("i", item[0])
+        out.append((item[0], array("d", item[1]).tolist()))
+    return out
 
 
 def _steps_v1(raw: Any, sources: list[str]) -> list[StepRecord]:

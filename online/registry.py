@@ -43,6 +43,7 @@ CHAMPION = "champion"
 PREVIOUS = "previous"
 DRAFTER_ARTIFACTS = "drafter"  # artifact sub-path holding the drafter directory
 SPECULATORS_ARTIFACTS = "speculators"  # eagle versions: the same head as vLLM loads it (speculators Eagle3)
+GGUF_ARTIFACT = "gguf/head.gguf"  # eagle versions with a known target: the head as llama-server loads it (-md)
 
 
 class RegistryError(LivedraftError):
@@ -149,7 +150,7 @@ class DrafterRegistry:
         meta = read_drafter_meta(src)
         run = self._start_run(kind, {"livedraft.kind": kind})
         try:
-            self._log_drafter(run.info.run_id, src)
+            self._log_drafter(run.info.run_id, src, target_model)
             version = self._register(run, {"kind": kind, "source_dir": str(src.resolve()),
                                            "drafter_version": str(meta.get("version", src.name)),
                                            "drafter_kind": drafter_kind(src), "target_model": target_model})
@@ -200,6 +201,24 @@ class DrafterRegistry:
         except MlflowException:
             raise RegistryError(f"registered model {name!r} has no version {version}") from None
         return LocalDrafter(version, reg.download(version))
+
+    def acceptance_per_position(self, version: int) -> list[float] | None:
+        """The replay gate's acceptance per draft position for `version` (its round's candidate
+        metrics), or None for a version no round measured (bootstrapped, registered by hand)."""
+        run_id = self.client.get_model_version(self.name, str(version)).run_id
+        if not run_id:
+            return None
+        history = self.client.get_metric_history(run_id, "candidate_acceptance_per_position")
+        return [m.value for m in sorted(history, key=lambda m: m.step)] or None
+
+    def log_serving(self, version: int, metrics: dict[str, float]) -> None:
+        """Adds serving facts (swap time, requests served, the engine's draft rule) to the run of
+        `version`, stepped by the time they were measured so repeated swaps keep a history."""
+        run_id = self.client.get_model_version(self.name, str(version)).run_id
+        if run_id:
+            step = int(time.time())
+            for key, value in metrics.items():
+                self.client.log_metric(run_id, key, float(value), step=step)
 
     def champion_version(self) -> int | None:
         """The version under alias `champion`, or None. Cheap: one store read, no download."""
@@ -342,7 +361,7 @@ class DrafterRegistry:
         metrics = [Metric(k, v, int(time.time() * 1000), step) for k, v, step in _round_metrics(result)]
         for i in range(0, len(metrics), 1000):  # MLflow's per-batch limit
             self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
-        self._log_drafter(run_id, result.candidate_dir)
+        self._log_drafter(run_id, result.candidate_dir, target_model)
         with tempfile.TemporaryDirectory() as tmp:
             plot = replay_plot(result, Path(tmp) / "replay_acceptance.png")
             summary = Path(tmp) / "round.json"
@@ -350,9 +369,10 @@ class DrafterRegistry:
             self.client.log_artifact(run_id, str(plot), "plots")
             self.client.log_artifact(run_id, str(summary))
 
-    def _log_drafter(self, run_id: str, drafter_dir: Path) -> None:
+    def _log_drafter(self, run_id: str, drafter_dir: Path, target_model: str = "") -> None:
         """The drafter directory as the run's artifact (what versions point at); an eagle head
-        also as its speculators export, which vLLM's --speculative-config loads."""
+        also as its speculators export, which vLLM's --speculative-config loads, and as its GGUF,
+        which llama-server loads, when its target resolves."""
         from runtime.drafters.eagle import export_speculators, is_eagle_dir
 
         self.client.log_artifacts(run_id, str(drafter_dir), DRAFTER_ARTIFACTS)
@@ -360,6 +380,38 @@ class DrafterRegistry:
             with tempfile.TemporaryDirectory() as tmp:
                 self.client.log_artifacts(run_id, str(export_speculators(drafter_dir, Path(tmp) / "x")),
                                           SPECULATORS_ARTIFACTS)
+                head = _gguf_head(drafter_dir, target_model, Path(tmp) / Path(GGUF_ARTIFACT).name)
+                if head is not None:
+                    self.client.log_artifact(run_id, str(head), str(Path(GGUF_ARTIFACT).parent))
+
+    def gguf(self, version: int) -> Path:
+        """The GGUF head of `version` (what `llama-server -md` loads), from the cache or downloaded
+        (atomically) into it. Raises RegistryError for an unknown version or one without a GGUF head."""
+        from mlflow.exceptions import MlflowException
+
+        dst = self.settings.cache_dir / self.name / f"v{version}.gguf"
+        if dst.is_file():
+            return dst
+        try:
+            run_id = self.client.get_model_version(self.name, str(version)).run_id
+        except MlflowException:
+            raise RegistryError(f"registered model {self.name!r} has no version {version}") from None
+        import mlflow.artifacts
+
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-gguf-", dir=dst.parent))
+        try:
+            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=GGUF_ARTIFACT, dst_path=str(tmp),
+                                                        tracking_uri=self.settings.tracking_uri)
+            os.replace(local, dst)
+        except (MlflowException, OSError) as e:
+            if not dst.is_file():
+                raise RegistryError(f"{self.name} version {version} has no GGUF head ({GGUF_ARTIFACT}: {e}); its target "
+                                    "did not resolve when it was registered: export it with `livedraft drafter export "
+                                    "DIR --format gguf --target TARGET`") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dst
 
     def _alias(self, alias: str) -> int | None:
         v = (self._aliases() or {}).get(alias)
@@ -447,6 +499,20 @@ def start_ui(settings: RegistrySettings, *, host: str = "127.0.0.1", port: int =
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     proc = subprocess.Popen(cmd, env=env)
     return UiServer(proc, f"http://{host}:{port}")
+
+
+def _gguf_head(drafter_dir: Path, target_model: str, out: Path) -> Path | None:
+    """The eagle head as a GGUF for `target_model` (default: the verifier its config names), or
+    None with a warning: a version without a GGUF still serves in livedraft's engine and vLLM."""
+    from runtime.drafters.eagle_gguf import export_gguf
+
+    try:
+        return export_gguf(drafter_dir, out, target=target_model or None)
+    except LivedraftError as e:
+        log.warning("registry: %s gets no GGUF head (llama-server cannot load it): %s", drafter_dir, e)
+    except Exception:  # a failed export must never fail a registration
+        log.exception("registry: exporting %s as a GGUF head failed; registering it without one", drafter_dir)
+    return None
 
 
 def _version_tags(result: RoundResult, target_model: str) -> dict[str, str]:

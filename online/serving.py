@@ -22,9 +22,10 @@ from runtime.engine import EngineConfig, SpeculativeEngine
 from runtime.errors import LivedraftError, ModelLoadError
 from runtime.hotswap import DrafterSource, HotSwapper, RollbackConfig
 from runtime.loader import LoadedModel
-from runtime.server import CompletionServer, ServerOptions, read_api_keys
+from runtime.server import CompletionServer, ServerOptions, job_queue, read_api_keys
 from runtime.sinks import EventSink
 from runtime.slot import DrafterSlot
+from runtime.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def start_serving(
             window=s.rollback_window, min_requests=s.rollback_min_requests, max_drop=s.rollback_max_drop))
     options = server_options(cfg, host, port)
     try:
-        server = CompletionServer(engine, target.tokenizer, model_id=target.model_id, options=options,
+        server = CompletionServer(EngineWorker(engine, job_queue(options)), target.tokenizer, model_id=target.model_id, options=options,
                                   swapper=swapper, sink=sink, dead_letters=dead_letters)
     except OSError as e:
         raise ServeError(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}: "

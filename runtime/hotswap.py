@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,6 +63,7 @@ class SwapEvent:
     kind: str  # "swap" | "rollback" | "load_failed"
     pause_s: float = 0.0
     detail: str = ""
+    load_s: float = 0.0  # loading the version before the swap (for llama-server: its start to healthy)
 
 
 @dataclass
@@ -88,14 +90,21 @@ class HotSwapper:
         poll_s: float = 5.0,
         rollback: RollbackConfig | None = None,
         initial: DrafterRef | None = None,
+        on_retire: Callable[[Drafter], None] | None = None,
+        judge_undrafted: bool = True,
     ) -> None:
         """`initial` names the drafter already in the slot (default: its `version`);
-        give it when the source's version names differ from the drafter's own label."""
+        give it when the source's version names differ from the drafter's own label.
+        `on_retire(d)` runs (in its own thread) for a loaded version the swapper lets go of: the
+        previous one after a newer swap, the bad one after a rollback (llama-server: drain and
+        stop its process). `judge_undrafted` False leaves requests that drafted nothing out of
+        the rollback windows (an engine whose rule chose to serve a version without a head)."""
         self.slot, self.source, self.poll_s = slot, source, poll_s
+        self.on_retire, self.judge_undrafted = on_retire, judge_undrafted
         self.rollback = rollback or RollbackConfig()
         self.events: list[SwapEvent] = []
         self.swaps = self.rollbacks = self.load_failures = 0
-        self.last_pause_s = self.max_pause_s = 0.0
+        self.last_pause_s = self.max_pause_s = self.last_load_s = 0.0
         self._lock = threading.Lock()  # guards windows, counters, refs, events
         self._swap_lock = threading.Lock()  # one swap or rollback at a time, decision included
         self._poll_lock = threading.Lock()
@@ -112,6 +121,12 @@ class HotSwapper:
     @property
     def version(self) -> str:
         return self._current_ref.version
+
+    @property
+    def previous(self) -> Drafter | None:
+        """The version a rollback returns to (kept loaded), if any."""
+        with self._lock:
+            return self._previous[1] if self._previous else None
 
     def start(self) -> None:
         """Starts the watcher thread (polls now, then every `poll_s` or on `trigger`)."""
@@ -145,6 +160,7 @@ class HotSwapper:
             ref = self.source.current()
             if ref is None or ref.version == self.version or ref.version in self._rejected:
                 return None
+            t0 = time.perf_counter()
             try:
                 drafter = self.source.load(ref)
             except Exception as e:  # a bad version must never stop the current one serving
@@ -155,11 +171,16 @@ class HotSwapper:
                 return self._record(SwapEvent(time.time(), self.version, ref.version, "load_failed",
                                               detail=f"{type(e).__name__}: {e}"))
             _label(drafter, ref.version)
+            load_s = time.perf_counter() - t0
             with self._swap_lock:
-                return self._swap_to(ref, drafter, "swap")
+                with self._lock:
+                    self.last_load_s = load_s
+                return self._swap_to(ref, drafter, "swap", load_s=load_s)
 
     def observe(self, version: str, stats: RequestStats) -> SwapEvent | None:
         """Feeds one finished request's acceptance; may roll back the current version."""
+        if not self.judge_undrafted and stats.drafted == 0:
+            return None
         with self._lock:
             self._windows.setdefault(version, _Window()).add(stats.accepted, stats.steps, self.rollback.window)
         return self._check_collapse()
@@ -172,6 +193,7 @@ class HotSwapper:
                 "previous_version": self._previous[0].version if self._previous else None,
                 "swaps": self.swaps, "rollbacks": self.rollbacks, "load_failures": self.load_failures,
                 "last_swap_pause_s": self.last_pause_s, "max_swap_pause_s": self.max_pause_s,
+                "last_swap_load_s": self.last_load_s,
                 "rolling_mean_acceptance_length": {v: round(w.mal, 4) for v, w in self._windows.items()},
                 "rejected_versions": sorted(self._rejected),
                 "history": [dict(e.__dict__) for e in self.events[-50:]],
@@ -218,13 +240,15 @@ class HotSwapper:
         for t in list(self._reports):
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def _swap_to(self, ref: DrafterRef, drafter: Drafter, kind: str, detail: str = "") -> SwapEvent:
+    def _swap_to(self, ref: DrafterRef, drafter: Drafter, kind: str, detail: str = "",
+                 load_s: float = 0.0) -> SwapEvent:
         # Caller holds _swap_lock, so the slot and _current_ref change together.
         t0 = time.perf_counter()
         old = self.slot.swap(drafter)
         pause = time.perf_counter() - t0
         with self._lock:
             old_ref = self._current_ref
+            dropped = old if kind == "rollback" else (self._previous[1] if self._previous else None)
             self._previous = None if kind == "rollback" else (old_ref, old)
             self._current_ref = ref
             self._windows.pop(ref.version, None)  # judge the newcomer on fresh traffic
@@ -234,7 +258,9 @@ class HotSwapper:
                 self.swaps += 1
             self.last_pause_s, self.max_pause_s = pause, max(self.max_pause_s, pause)
         log.info("drafter %s: %s -> %s (pause %.1f µs)", kind, old_ref.version, ref.version, pause * 1e6)
-        return self._record(SwapEvent(time.time(), old_ref.version, ref.version, kind, pause, detail))
+        if dropped is not None and self.on_retire is not None:
+            threading.Thread(target=self.on_retire, args=(dropped,), name="livedraft-retire", daemon=True).start()
+        return self._record(SwapEvent(time.time(), old_ref.version, ref.version, kind, pause, detail, load_s))
 
     def _record(self, event: SwapEvent) -> SwapEvent:
         with self._lock:

@@ -177,7 +177,7 @@ def build_app(server: CompletionServer) -> FastAPI:
         ok = server.accepting
         return JSONResponse({"status": "ok" if ok else "draining", "model": server.model_id,
                              "drafter_version": server.drafter_version(), "queue_depth": len(server.queue),
-                             "running": server.worker.engine.running}, status_code=200 if ok else 503)
+                             "running": server.worker.running}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

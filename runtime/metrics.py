@@ -125,12 +125,15 @@ def _acceptance(by_version: dict[str, RequestStats]) -> Iterator[Metric]:
         "pos_rate": GaugeMetricFamily("livedraft_spec_decode_per_position_acceptance",
                                       "Verify steps whose draft token at `position` was accepted / verify steps.",
                                       labels=v + ["position"]),
+        "served": CounterMetricFamily("livedraft_requests_served", "Finished requests, by the drafter version "
+                                      "that served them.", labels=v),
         "prefill_s": CounterMetricFamily("livedraft_prefill_seconds", "Time spent in prefill.", labels=v),
         "draft_s": CounterMetricFamily("livedraft_draft_seconds", "Time spent drafting.", labels=v),
         "verify_s": CounterMetricFamily("livedraft_verify_seconds", "Time spent verifying.", labels=v),
     }
     for version, s in sorted(by_version.items()):
         lv = [version]
+        fam["served"].add_metric(lv, s.requests)
         fam["prompt"].add_metric(lv, s.prompt_tokens)
         fam["reused"].add_metric(lv, s.reused_prompt_tokens)
         fam["gen"].add_metric(lv, s.output_tokens)
@@ -159,3 +162,6 @@ def _swaps(status: dict[str, Any] | None) -> Iterator[Metric]:
                             "How long the last swap held the drafter slot.", value=status.get("last_swap_pause_s", 0.0))
     yield GaugeMetricFamily("livedraft_drafter_swap_pause_seconds_max",
                             "Longest time a swap held the drafter slot.", value=status.get("max_swap_pause_s", 0.0))
+    yield GaugeMetricFamily("livedraft_drafter_swap_load_seconds_last",
+                            "How long the last swap's version took to load before it served (llama-server: "
+                            "its process start to healthy).", value=status.get("last_swap_load_s", 0.0))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.engine import SpeculativeEngine
+from runtime.backend import ServingBackend
 from runtime.errors import LivedraftError
 from runtime.fairqueue import FairQueue
 from runtime.hotswap import HotSwapper
@@ -82,15 +82,21 @@ def read_api_keys(api_key: str = "", keys_file: str = "") -> dict[str, str]:
     return keys
 
 
+def job_queue(options: ServerOptions) -> FairQueue[Job]:
+    """The fair queue a serving backend takes its jobs from, bounded by `options`."""
+    return FairQueue(options.max_queue, options.max_queue_per_client)
+
+
 class CompletionServer:
-    """Serves `engine` over HTTP. `start` returns once the socket is listening.
+    """Serves a backend (our engine's EngineWorker, or llama-server's worker) over HTTP. `start`
+    returns once the socket is listening.
 
     `swapper` (optional) gets every finished request's acceptance (`observe`) and its status is
     exported; `sink` is read for its drop counters and flushed for `durable_traces`."""
 
     def __init__(
         self,
-        engine: SpeculativeEngine,
+        backend: ServingBackend,
         tokenizer: Any,
         *,
         model_id: str,
@@ -102,17 +108,17 @@ class CompletionServer:
         """`dead_letters`: the count of an in-process collector's dead letters, for /metrics."""
         from runtime.http import HttpServer, build_app
 
-        self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
+        self.tokenizer, self.model_id = tokenizer, model_id
         self.options = options or ServerOptions()
         self.swapper, self.sink = swapper, sink
         self.api_keys = dict(self.options.api_keys)
-        self.queue: FairQueue[Job] = FairQueue(self.options.max_queue, self.options.max_queue_per_client)
-        self.worker = EngineWorker(engine, self.queue, text_stream=lambda job: TextStream(self.tokenizer, job.req.stop),
-                                   on_result=self._record)
+        self.worker = backend
+        self.queue = backend.queue
+        backend.attach(text_stream=lambda job: TextStream(self.tokenizer, job.req.stop), on_result=self._record)
         self.metrics = ServerMetrics(
             version=self.drafter_version,
             swapper_status=(lambda: swapper.status()) if swapper else (lambda: None),
-            sink=sink, queue_depth=lambda: len(self.queue), running=lambda: self.engine.running,
+            sink=sink, queue_depth=lambda: len(self.queue), running=lambda: backend.running,
             dead_letters=dead_letters,
         )
         self._inflight = 0
@@ -135,7 +141,7 @@ class CompletionServer:
         return self.worker.accepting
 
     def drafter_version(self) -> str:
-        return self.swapper.version if self.swapper else self.engine.slot.get().version
+        return self.swapper.version if self.swapper else self.worker.drafter_version()
 
     def encode(self, text: str) -> list[int] | None:
         return None if self.tokenizer is None else list(self.tokenizer(text).input_ids)

@@ -42,6 +42,16 @@ class Timings:
 
 
 @dataclass
+class DraftCounts:
+    """A request's drafting totals, for an engine that reports no per-step records (llama-server's
+    `timings.draft_n` / `draft_n_accepted`); `steps` = the target forwards that produced tokens."""
+
+    steps: int
+    drafted: int
+    accepted: int
+
+
+@dataclass
 class RequestTrace:
     request_id: str
     prompt_ids: list[int]
@@ -61,7 +71,28 @@ class RequestTrace:
     trace_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     schema_version: int = SCHEMA_VERSION
+    # Engine-neutral extras (optional keys on the wire): an engine without per-step records gives
+    # its totals, and the target's top-k (temperature 1) at every output position as soft labels.
+    counts: DraftCounts | None = None
+    position_topk: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def totals(self) -> DraftCounts:
+        """Verify steps, drafted and accepted tokens: from the steps, else from `counts`."""
+        if self.counts is not None and not self.steps:
+            return self.counts
+        return DraftCounts(len(self.steps), sum(len(s.drafted) for s in self.steps),
+                           sum(s.accepted for s in self.steps))
+
+    def soft_labels(self) -> dict[int, tuple[list[int], list[float]]]:
+        """The target's top-k at output positions (output index -> (ids, logprobs)): where a
+        step's draft was rejected, and every position an engine logged `position_topk` for."""
+        out = {i: lab for i, lab in enumerate(self.position_topk or ()) if lab[0]}
+        for s in self.steps:
+            if s.topk_ids and s.topk_logprobs:
+                out[s.pos + s.accepted] = (s.topk_ids, s.topk_logprobs)
+        return out

@@ -72,12 +72,13 @@ class Job:
 
 
 class EngineWorker:
-    """Runs `engine` in one thread over jobs from a FairQueue. `text_stream(job)` returns the
-    object whose `push(ids) -> text` and `stopped` decode a job with stop strings;
-    `on_result(job)` runs after each finished job (metrics, hot-swap observation)."""
+    """Runs `engine` in one thread over jobs from a FairQueue (a runtime.backend.ServingBackend).
+    `text_stream(job)` returns the object whose `push(ids) -> text` and `stopped` decode a job
+    with stop strings; `on_result(job)` runs after each finished job (metrics, hot-swap)."""
 
     def __init__(self, engine: SpeculativeEngine, queue_: FairQueue[Job], *,
-                 text_stream: Callable[[Job], Any], on_result: Callable[[Job], None] = lambda job: None) -> None:
+                 text_stream: Callable[[Job], Any] | None = None,
+                 on_result: Callable[[Job], None] = lambda job: None) -> None:
         self.engine, self.queue = engine, queue_
         self.text_stream, self.on_result = text_stream, on_result
         self.max_batch = engine.config.max_batch
@@ -89,6 +90,16 @@ class EngineWorker:
     @property
     def accepting(self) -> bool:
         return self._accepting
+
+    @property
+    def running(self) -> int:
+        return self.engine.running
+
+    def drafter_version(self) -> str:
+        return self.engine.slot.get().version
+
+    def attach(self, *, text_stream: Callable[[Job], Any], on_result: Callable[[Job], None]) -> None:
+        self.text_stream, self.on_result = text_stream, on_result
 
     def stop_accepting(self) -> None:
         """New submits get 503; queued and running jobs still finish."""

@@ -33,6 +33,18 @@ def llamacpp_locations(cfg: Config) -> Locations:
     return Locations(configured=cfg.llama_server, cache_root=cache_root(cfg))
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--engine and --llama-server, as `serve` and `up` take them."""
+    from online.config import ENGINES
+
+    p.add_argument("--engine", choices=ENGINES,
+                   help="the serving engine: livedraft (ours) or llama-server (llama.cpp's, started and supervised "
+                        "by livedraft, fed the registry's EAGLE-3 heads as GGUF; default: [engine] kind)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="the llama-server binary (default: llama_server of the config / LIVEDRAFT_LLAMA_SERVER, "
+                        "then `livedraft engine install llama-server`'s, then PATH)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="serving engines: install llama.cpp's llama-server, show which binaries are used")
     esub = p.add_subparsers(dest="engine_command", required=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+from pathlib import Path
 
 from online.commands.daemon import install_stop_signals
-from online.config import load_config
+from online.commands.engine import add_engine_arguments
+from online.config import Config, load_config
 from online.models import DRAFTER_KINDS_HELP, add_model_arguments
 from runtime.errors import LivedraftError
 
@@ -38,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answer only once the request's trace is flushed to the stream")
     p.add_argument("--watch-registry", action="store_true",
                    help="hot-swap the MLflow registry's champion drafter (polled every [serve] poll_s)")
+    add_engine_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -63,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         raise LivedraftError(f"draft lengths must be >= 1, got k={s.k}, k_max={s.k_max}")
     if s.max_batch < 1:
         raise LivedraftError(f"max_batch must be >= 1, got {s.max_batch}")
+    cfg.engine.kind = args.engine or cfg.engine.kind
+    if cfg.engine.kind == "llama-server":
+        return run_llama_server(args, cfg)
     target = load_target(args.target, cfg, args)
     initial = None
     replica = None
@@ -103,19 +109,70 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         sink.close()
         raise
-    stop = threading.Event()
-    restore = install_stop_signals(stop)  # the first signal drains; a second one quits at once
-    print(f"livedraft serve: {target.model_id} on {handle.url} (drafter {handle.server.drafter_version()}); "
-          "POST /v1/completions, GET /metrics, GET /v1/drafter; Ctrl-C to stop", flush=True)
-    stop.wait()
-    log.info("draining (up to %.0fs) ...", s.drain_timeout_s)
-    try:
-        drained = handle.stop(s.drain_timeout_s)
-        sink.close(s.drain_timeout_s)
-    finally:
-        restore()
+    drained = _serve_until_signal(handle, sink, target.model_id, s.drain_timeout_s)
     if replica is not None:
         replica.stop()
         replica.source.close()
+    return 0 if drained else 1
+
+
+def _serve_until_signal(handle: object, sink: object, model_id: str, drain_timeout_s: float, engine: str = "") -> bool:
+    stop = threading.Event()
+    restore = install_stop_signals(stop)  # the first signal drains; a second one quits at once
+    print(f"livedraft serve: {model_id} on {handle.url}{engine} (drafter {handle.server.drafter_version()}); "
+          "POST /v1/completions, GET /metrics, GET /v1/drafter; Ctrl-C to stop", flush=True)
+    stop.wait()
+    log.info("draining (up to %.0fs) ...", drain_timeout_s)
+    try:
+        drained = handle.stop(drain_timeout_s)
+        sink.close(drain_timeout_s)
+    finally:
+        restore()
     print(f"livedraft serve: stopped ({'drained' if drained else 'requests were still running'})", flush=True)
+    return drained
+
+
+def run_llama_server(args: argparse.Namespace, cfg: Config) -> int:
+    """`serve --engine llama-server`: the registry's champion (--watch-registry) or --drafter's head,
+    served by a supervised llama-server with the draft rule the cost rule picks."""
+    from transformers import AutoTokenizer
+
+    from online.drafter_source import RegistryDrafterSource
+    from online.llama_serving import (
+        GgufHeadSource,
+        UpstreamFactory,
+        head_gguf,
+        resolve_llama_target,
+        start_llama_serving,
+    )
+    from online.stream import open_sink
+
+    if args.drafter_kind not in (None, "eagle", "none"):
+        raise LivedraftError(f"--engine llama-server serves EAGLE-3 heads (or none), not --drafter-kind "
+                             f"{args.drafter_kind}")
+    target = resolve_llama_target(args.target, cfg)
+    tokenizer = AutoTokenizer.from_pretrained(target.hf_dir)
+    factory = UpstreamFactory(cfg, target, binary=args.llama_server)
+    source = initial = None
+    if cfg.serve.watch_registry:
+        from online.registry import DrafterRegistry
+
+        source = GgufHeadSource(RegistryDrafterSource(DrafterRegistry.from_config(cfg), None), factory)
+    if args.drafter:
+        from online.models import resolve_drafter
+
+        path = Path(resolve_drafter(args.drafter, cfg))
+        initial = factory.start(path.name, head_gguf(path, target), None)
+    sink = open_sink(cfg)
+    try:
+        handle = start_llama_serving(cfg, target=target, tokenizer=tokenizer, factory=factory, source=source,
+                                     initial=initial, sink=sink, host=args.host, port=args.port,
+                                     vocab_size=len(tokenizer))
+    except BaseException:
+        sink.close()
+        if initial is not None:
+            initial.stop()
+        raise
+    drained = _serve_until_signal(handle, sink, target.model_id, cfg.serve.drain_timeout_s,
+                                  f" via llama-server {factory.binary}")
     return 0 if drained else 1

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from online.commands.daemon import apply_data_dir, install_stop_signals
+from online.commands.engine import add_engine_arguments
 from online.config import Config, TrainerConfig, load_config
 from online.models import add_model_arguments
 from runtime.errors import LivedraftError
@@ -48,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hybrid (default): the shared suffix cache of the traffic log when it is confident, "
                         "else the registry's champion (eagle or model); model: the champion alone")
     add_model_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("--host", help="listen address (default: [serve] host)")
     p.add_argument("--port", type=int, help="listen port, 0 = any free port (default: [serve] port; --demo: 0)")
     p.add_argument("--demo", action="store_true", help="also send traffic for --demo-seconds, then exit")
@@ -149,7 +151,16 @@ def run(args: argparse.Namespace) -> int:
     # the trainer writes through its own registry client; the server's only reads
     daemon = Daemon(cfg, registry=DrafterRegistry.from_config(cfg), target=target)
     replica = None
-    if args.drafter_kind == "hybrid":
+    cfg.engine.kind = args.engine or cfg.engine.kind
+    llama = cfg.engine.kind == "llama-server"
+    if llama:
+        from online.llama_serving import GgufHeadSource, UpstreamFactory, resolve_llama_target
+
+        ltarget = resolve_llama_target(args.target, cfg)
+        source = GgufHeadSource(RegistryDrafterSource(registry, None), UpstreamFactory(cfg, ltarget,
+                                                                                      binary=args.llama_server))
+        args.drafter_kind = "eagle heads on llama-server"
+    elif args.drafter_kind == "hybrid":
         from online.cache import HybridDrafterSource, open_replica_cache
 
         # One process: the server drafts from the daemon's maintained cache (one writer thread);
@@ -160,8 +171,16 @@ def run(args: argparse.Namespace) -> int:
         source = HybridDrafterSource(source, cache, cfg.cache.hybrid_threshold)
     sink = open_sink(cfg)
     try:
-        handle = start_serving(cfg, target=target, drafter_source=source, sink=sink, host=args.host, port=args.port,
-                               dead_letters=lambda: daemon.collector.dead_letters)
+        if llama:
+            from online.llama_serving import start_llama_serving
+
+            handle = start_llama_serving(cfg, target=ltarget, tokenizer=target.tokenizer, factory=source.factory,
+                                         source=source, sink=sink, host=args.host, port=args.port,
+                                         dead_letters=lambda: daemon.collector.dead_letters,
+                                         vocab_size=target.vocab_size)
+        else:
+            handle = start_serving(cfg, target=target, drafter_source=source, sink=sink, host=args.host,
+                                   port=args.port, dead_letters=lambda: daemon.collector.dead_letters)
     except BaseException:
         sink.close()
         if replica is not None:

