@@ -28,9 +28,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from runtime.errors import RequestError
@@ -78,6 +80,19 @@ class JsonErrorProtocol(H11Protocol):
     def connection_made(self, transport: Any) -> None:  # noqa: ANN401 - asyncio's transport
         super().connection_made(transport)
         self._arm_header_timer()
+        self._error_hint = 400
+        next_event = self.conn.next_event
+
+        def remembering_next_event() -> Any:  # noqa: ANN401 - an h11 event
+            # uvicorn answers every h11 protocol error with a plain 400; keep h11's own status hint
+            # (431 for headers past the size limit) for send_400_response
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._error_hint = e.error_status_hint
+                raise
+
+        self.conn.next_event = remembering_next_event
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
@@ -93,12 +108,13 @@ class JsonErrorProtocol(H11Protocol):
         self._arm_header_timer()  # the next request on this connection
 
     def send_400_response(self, msg: str) -> None:
-        import h11
-
-        body = json.dumps(error_body(f"malformed HTTP request: {msg}", "invalid_request_error")).encode()
+        too_large = self._error_hint == 431  # the request line and headers passed the size limit
+        status, reason = (431, b"Request Header Fields Too Large") if too_large else (400, b"Bad Request")
+        text = "request headers are too large" if too_large else f"malformed HTTP request: {msg}"
+        body = json.dumps(error_body(text, "invalid_request_error")).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+        for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
@@ -122,7 +138,10 @@ class JsonErrorProtocol(H11Protocol):
 
 def build_app(server: CompletionServer) -> FastAPI:
     opts = server.options
-    app = FastAPI(title="livedraft", version="0.2", docs_url=None, redoc_url=None)
+    # no /openapi.json (it would be served without a key) and no trailing-slash redirects (their
+    # Location would be built from the client's Host header)
+    app = FastAPI(title="livedraft", version="0.2", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -207,9 +226,12 @@ def build_app(server: CompletionServer) -> FastAPI:
                                               default_max_tokens=opts.default_max_tokens)
                 if tenant is not None:
                     req.tag = tenant  # bound to the key: a client cannot choose another tenant's tag
-                elif (header := request.headers.get("x-livedraft-tag")) is not None:
+                elif (header := _header_utf8(request, b"x-livedraft-tag")) is not None:
                     req.tag = check_tag(header)
                 job = server.submit(req, client)
+            except ClientGone:
+                status = "cancelled"
+                return Response(status_code=499)
             except HttpError as e:
                 status = "rejected" if e.status == 401 else "bad_request"
                 return _json_error(e.status, e.kind, str(e), close=e.status in (408, 413))
@@ -233,6 +255,17 @@ def build_app(server: CompletionServer) -> FastAPI:
     return app
 
 
+def _header_utf8(request: Request, name: bytes) -> str | None:
+    """A header's value decoded as UTF-8 (Starlette decodes Latin-1). Raises RequestError."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            try:
+                return value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(f"the {name.decode()} header is not valid UTF-8") from None
+    return None
+
+
 def _match(keys: dict[str, str], token: str) -> str | None:
     """The tenant of `token` ("" for a key without one), None when no key matches (constant time
     per key)."""
@@ -244,6 +277,9 @@ def _match(keys: dict[str, str], token: str) -> str | None:
 
 
 async def _read_json(request: Request, max_bytes: int, timeout_s: float) -> Any:
+    """The request's JSON body. Raises HttpError: 400 (not UTF-8 JSON, too deep), 408 (a chunk, or
+    the whole body, not in time: the body must arrive within 3 x `timeout_s` in all), 413, and
+    499 for a client that left while sending (ClientGone)."""
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -253,24 +289,45 @@ async def _read_json(request: Request, max_bytes: int, timeout_s: float) -> Any:
                             f"request body is {length} bytes; the limit is {max_bytes}")
     chunks, total = [], 0
     stream = request.stream().__aiter__()
+    deadline = time.monotonic() + 3 * timeout_s
     while True:
+        left = deadline - time.monotonic()
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), timeout_s)
+            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, min(timeout_s, left)))
         except StopAsyncIteration:
             break
+        except ClientDisconnect:
+            raise ClientGone() from None
         except TimeoutError:
-            raise HttpError(408, "timeout", f"the request body did not arrive within {timeout_s:g}s") from None
+            what = f"within {timeout_s:g}s" if left > timeout_s else f"in full within {3 * timeout_s:g}s"
+            raise HttpError(408, "timeout", f"the request body did not arrive {what}") from None
         total += len(chunk)
         if total > max_bytes:
             raise HttpError(413, "invalid_request_error", f"request body exceeds the limit of {max_bytes} bytes")
         chunks.append(chunk)
     raw = b"".join(chunks)
+    return await asyncio.to_thread(_parse_json, raw) if len(raw) > 65536 else _parse_json(raw)
+
+
+def _parse_json(raw: bytes) -> Any:
+    """UTF-8 JSON only (json.loads would also read UTF-16/32, past the depth check's byte scan);
+    large bodies are parsed off the event loop by the caller."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HttpError(400, "invalid_request_error", f"the body is not UTF-8 JSON: {e}") from None
     if not json_depth_ok(raw):
         raise HttpError(400, "invalid_request_error", "the JSON body nests deeper than 64 levels")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        return json.loads(text)
+    except RecursionError:
+        raise HttpError(400, "invalid_request_error", "the JSON body nests too deeply") from None
+    except ValueError as e:
         raise HttpError(400, "invalid_request_error", f"the body is not valid JSON: {e}") from None
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete (not a server error)."""
 
 
 class _Wake:

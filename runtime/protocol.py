@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from typing import Any
 
 from pydantic import (
@@ -86,7 +87,10 @@ class CompletionBody(BaseModel):
         if len(stops) > MAX_STOP or not all(stops):
             raise ValueError(f"must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
         for s in stops:
-            check_text(s, "stop")
+            try:
+                check_text(s, "stop")
+            except ValueError:  # _first_error prefixes the field's name
+                raise ValueError("must be valid Unicode (a stop string holds a lone surrogate)") from None
         return stops
 
 
@@ -106,8 +110,8 @@ def check_tag(tag: str | None) -> str | None:
         raise RequestError(f"the tag must be a string, got {tag!r:.40}")
     if not tag or len(tag) > MAX_TAG_CHARS:
         raise RequestError(f"the tag must be 1 to {MAX_TAG_CHARS} characters, got {len(tag)}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in tag):
-        raise RequestError("the tag must not contain control characters (NUL, newline, ...)")
+    if any(unicodedata.category(c) == "Cc" for c in tag):  # C0, DEL and C1 (U+0080-U+009F)
+        raise RequestError("the tag must not contain control characters (NUL, newline, U+0085, ...)")
     try:
         check_text(tag, "the tag")
     except ValueError as e:

@@ -327,3 +327,90 @@ def test_durable_traces_survive_a_sigkill_right_after_the_answers(stories, tmp_p
     logged = {decode_trace(r.payload).request_id for r in src.poll(1000, 5.0)}
     assert set(answered) <= logged, f"{len(set(answered) - logged)} answered requests have no trace"
     store.close()
+
+
+# -- second pass (issue #25): each a reproducer of a fresh probe's finding ----------------------
+
+
+def _errors(url: str) -> float:
+    _, metrics, _ = request(url, "GET", "/metrics")
+    line = next(ln for ln in metrics.splitlines() if ln.startswith('livedraft_requests_total{status="error"}'))
+    return float(line.split()[-1])
+
+
+def test_a_body_that_is_not_utf8_is_a_400_even_nested_past_the_limit(server):
+    """json.loads(bytes) would read UTF-16, where the byte-level depth check sees no brackets."""
+    url = server[0].url
+    deep = ('{"a":"\u2200","prompt":' + "[" * 900 + "]" * 900 + "}").encode("utf-16-le")  # < 4096 bytes
+    for body in (deep, json.dumps({"prompt": "hi"}).encode("utf-16")):
+        status, payload = raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                   b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert status == 400 and payload["error"]["message"].startswith(("the body is not UTF-8 JSON",
+                                                                          "the body is not valid JSON"))
+    status, payload = raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n\xff\xfe{")
+    assert status == 400 and payload["error"]["message"].startswith("the body is not UTF-8 JSON")
+    assert _errors(url) == 0
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(server):
+    url = server[0].url
+    u = urlparse(url)
+    before = _errors(url)
+    for tail in (b'{"prompt": "x', b"zz\r\nabc"):  # mid-body; a malformed chunk size
+        with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            head += b"Transfer-Encoding: chunked\r\n\r\n" if tail.startswith(b"zz") else b"Content-Length: 100\r\n\r\n"
+            s.sendall(head + tail)
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert _errors(url) == before and healthy(url)
+
+
+def test_a_body_trickled_byte_by_byte_meets_a_whole_body_deadline(server):
+    """read_timeout_s is 1 s per chunk; the whole body must arrive within 3 s."""
+    u = urlparse(server[0].url)
+    t0 = time.monotonic()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 60\r\n\r\n")
+        buf = b""
+        try:
+            for _ in range(60):
+                s.sendall(b" ")
+                time.sleep(0.5)
+                s.setblocking(False)
+                try:
+                    buf += s.recv(4096)
+                except BlockingIOError:
+                    pass
+                s.setblocking(True)
+                if buf:
+                    break
+        except OSError:
+            pass
+        buf += s.recv(4096) if not buf else b""
+    assert b" 408 " in buf.split(b"\r\n", 1)[0] and time.monotonic() - t0 < 6
+
+
+def test_headers_of_a_megabyte_get_431(server):
+    status, body = raw_http(server[0].url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (1 << 20)
+                            + b"\r\n\r\n")
+    assert status == 431 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_smaller_findings(server):
+    handle, sink = server
+    url = handle.url
+    assert request(url, "GET", "/openapi.json")[0] == 404  # never served without a key
+    status, _, headers = request(url, "POST", "/v1/completions/", {"prompt": "x"}, headers={"Host": "evil.example"})
+    assert status == 404 and "location" not in {k.lower() for k in headers}
+    status, body = complete(url, {"prompt": "Once", "max_tokens": 2, "user": "a\u0085b"})
+    assert status == 400 and "control characters" in body["error"]["message"]
+    status, body = complete(url, {"prompt": "Once", "max_tokens": 2, "stop": ["\ud800"]})
+    assert status == 400 and "stop stop" not in body["error"]["message"]
+    assert body["error"]["message"].startswith("stop must be valid Unicode")
+    n = len(sink.events)
+    status, _, _ = request(url, "POST", "/v1/completions", raw=json.dumps({"prompt": "Once", "max_tokens": 2}).encode(),
+                           headers={"X-Livedraft-Tag": "caf\u00e9".encode().decode("latin-1")})
+    assert status == 200
+    sink.flush(10)
+    assert sink.events[n].tag == "caf\u00e9"
