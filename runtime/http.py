@@ -216,12 +216,15 @@ def build_app(server: CompletionServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        server.enter()
-        status, streaming = "error", False
+        status, streaming, entered = "error", False, False
         try:
             try:
                 client, tenant = principal(request)
                 obj = await _read_json(request, opts.max_body_bytes, opts.read_timeout_s)
+                # counted for the drain only once its body is in: a shutdown never waits on a client
+                # that is still sending (submit refuses it once draining)
+                server.enter()
+                entered = True
                 req = await asyncio.to_thread(parse_completion, obj, encode=server.encode,
                                               default_max_tokens=opts.default_max_tokens)
                 if tenant is not None:
@@ -250,7 +253,8 @@ def build_app(server: CompletionServer) -> FastAPI:
         finally:
             if not streaming:
                 server.metrics.record_request(status)
-                server.leave()
+                if entered:
+                    server.leave()
 
     return app
 

@@ -414,3 +414,14 @@ def test_smaller_findings(server):
     assert status == 200
     sink.flush(10)
     assert sink.events[n].tag == "caf\u00e9"
+
+
+def test_a_shutdown_does_not_wait_on_a_client_still_sending_its_body(stories):
+    handle = start_serving(config(read_timeout_s=10.0), target=stories, initial_drafter=PromptLookupDrafter())
+    u = urlparse(handle.url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert handle.stop(30.0)  # drained: nothing was being served
+        assert time.monotonic() - t0 < 8
