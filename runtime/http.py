@@ -19,6 +19,7 @@ Routes: POST /v1/completions, GET /v1/models, GET /v1/drafter, GET /healthz, GET
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -180,9 +181,10 @@ def build_app(server: CompletionServer) -> FastAPI:
             if tenant is None:
                 raise HttpError(401, "authentication_error", "missing or invalid API key: send "
                                 "'Authorization: Bearer <key>'")
-            if tenant:
-                return f"tenant:{tenant}", tenant
-            return f"key:{hash(token) & 0xFFFFFFFF:x}", None
+            # a key without a tenant is a tenant of its own: with keys configured, nothing a client
+            # sends (tag header, metadata.tag, user) chooses which tenant's caches it reads or writes
+            tenant = tenant or own_tenant(token)
+            return f"tenant:{tenant}", tenant
         client = request.headers.get("x-client-id") if opts.trust_client_id else None
         return client or (request.client.host if request.client else "unknown"), None
 
@@ -257,6 +259,11 @@ def build_app(server: CompletionServer) -> FastAPI:
                     server.leave()
 
     return app
+
+
+def own_tenant(key: str) -> str:
+    """The tenant of an API key configured without one: derived from the key, never the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _header_utf8(request: Request, name: bytes) -> str | None:

@@ -52,14 +52,14 @@ class ServerOptions:
     read_timeout_s: float = 10.0  # the body must keep arriving: no chunk for this long -> 408
     header_timeout_s: float = 10.0  # a connection's request headers must complete within this
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant tag ("" = no tenant); empty: open
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant tag ("": a tenant of its own); empty: open
     protect_metrics: bool = False  # with API keys, /metrics and /healthz need one too
     trust_client_id: bool = False  # key the fair queue by the X-Client-Id header (behind a trusted proxy)
     durable_traces: bool = False  # a response waits until its trace is flushed to the stream
 
 
 def read_api_keys(api_key: str = "", keys_file: str = "") -> dict[str, str]:
-    """Keys from `api_key` (no tenant) and a keys file (JSON or TOML: {"key": "tenant", ...}).
+    """Keys from `api_key` (a tenant of its own) and a keys file (JSON or TOML: {"key": "tenant", ...}).
     Raises LivedraftError on an unreadable file or a bad tenant name."""
     keys = {api_key: ""} if api_key else {}
     if keys_file:
@@ -147,6 +147,9 @@ class CompletionServer:
         return None if self.tokenizer is None else list(self.tokenizer(text).input_ids)
 
     def start(self) -> None:
+        if "" in self.api_keys.values() and any(self.api_keys.values()):
+            log.warning("API keys with and without a tenant are configured together: each key without one "
+                        "is a tenant of its own (key-<hash>), and no client can choose another tenant's tag")
         self.worker.start()
         self.http.start()
         log.info("serving %s on %s (drafter %s, up to %d requests decoded together%s)", self.model_id, self.url,

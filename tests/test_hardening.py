@@ -16,6 +16,7 @@ import pytest
 from online.config import Config, ConfigError
 from online.serving import server_options, start_serving
 from runtime.drafters.lookup import PromptLookupDrafter
+from runtime.http import own_tenant
 from runtime.sinks import MemorySink
 from tests.serving_utils import complete, request
 
@@ -219,8 +220,11 @@ def test_api_keys_and_tenants(stories, tmp_path):
         status, _ = complete(url, forged, {"Authorization": "Bearer key-of-tenant-b", "X-Livedraft-Tag": "tenant-a"})
         assert status == 200
         assert complete(url, body, {"Authorization": "Bearer key-of-tenant-a"})[0] == 200
+        # a key without a tenant is one of its own (#25): its client's tag header chooses nothing
+        assert complete(url, forged, {"Authorization": "Bearer plain-key-123", "X-Livedraft-Tag": "tenant-a"})[0] == 200
         handle.stop(10)
-        assert [t.tag for t in sink.events] == [None, "tenant-b", "tenant-a"]
+        own = own_tenant("plain-key-123")
+        assert [t.tag for t in sink.events] == [own, "tenant-b", "tenant-a", own]
     finally:
         handle.stop(10)
 
