@@ -68,8 +68,11 @@ def server_options(cfg: Config, host: str | None = None, port: int | None = None
     for key in ("request_timeout_s", "read_timeout_s", "header_timeout_s", "keep_alive_s", "drain_timeout_s"):
         if not getattr(s, key) > 0:
             raise ConfigError(f"[serve] {key} must be > 0, got {getattr(s, key)}")
+    port = s.port if port is None else port
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port must be 0 (any free port) to 65535, got {port}")
     return ServerOptions(
-        host=s.host if host is None else host, port=s.port if port is None else port,
+        host=s.host if host is None else host, port=port,
         max_queue=s.max_queue, max_queue_per_client=s.max_queue_per_client, max_body_bytes=s.max_body_bytes,
         max_header_bytes=s.max_header_bytes, default_max_tokens=s.default_max_tokens,
         request_timeout_s=s.request_timeout_s, read_timeout_s=s.read_timeout_s, header_timeout_s=s.header_timeout_s,

@@ -143,8 +143,8 @@ def load_model(
         path, model_id = resolve_model_dir(spec, cache_dir)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"could not load a causal LM from {path}: {e}") from e
+        except Exception as e:  # a corrupt or foreign file raises many types (SafetensorError, ...)
+            raise ModelLoadError(f"could not load a causal LM from {path}: {type(e).__name__}: {e}") from e
         tokenizer = None
         if (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists():
             tokenizer = AutoTokenizer.from_pretrained(path)

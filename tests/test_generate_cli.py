@@ -68,3 +68,33 @@ def test_the_kinds_named_in_help_are_the_factorys():
     from runtime.drafters.factory import BUILDERS
 
     assert sorted(DRAFTER_KINDS) == sorted(BUILDERS)
+
+
+# -- #25 point 7: each a clear line and exit 2, never a traceback or a silent default -------------
+
+
+def _one_error_line(capsys, what: str) -> None:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and what in err, err
+
+
+def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, capsys):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (corrupt / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello\n")
+    assert main(["generate", "--target", str(corrupt), "--drafter-kind", "none", "--prompts", str(prompts)]) == 2
+    _one_error_line(capsys, "could not load a causal LM from")
+    assert main(["generate", "--target", str(corrupt), "--prompts", str(tmp_path)]) == 2
+    _one_error_line(capsys, "is a directory")
+    assert main(["generate", "--target", str(corrupt), "--prompts", str(prompts), "--k", "-1"]) == 2
+    _one_error_line(capsys, "--k must be >= 0")
+    assert main(["serve", "--target", str(corrupt), "--port", "99999"]) == 2
+    _one_error_line(capsys, "port must be 0 (any free port) to 65535")
+    for flag in ("--max-batch", "--k-max"):
+        assert main(["serve", "--target", str(corrupt), flag, "0"]) == 2
+        _one_error_line(capsys, "must be >= 1")
+    assert main(["replay", "--traffic", "http://example.invalid/x", "--drafter-kind", "lookup"]) == 2
+    _one_error_line(capsys, "a store is SQLite or PostgreSQL")

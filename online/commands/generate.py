@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_prompts(path: str) -> list[str]:
     f = Path(path)
+    if f.is_dir():
+        raise LivedraftError(f"prompts file {f} is a directory: give a .txt (one prompt per line) or .jsonl file")
     if not f.is_file():
         raise LivedraftError(f"prompts file {f} does not exist")
     if f.suffix == ".jsonl":
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 
     cfg = load_config(args.config)
+    if args.k < 0 or args.k_max < 1:
+        raise LivedraftError(f"draft lengths: --k must be >= 0 and --k-max >= 1, got {args.k} and {args.k_max}")
     prompts = read_prompts(args.prompts)
     target = load_target(args.target, cfg, args)
     if target.tokenizer is None:

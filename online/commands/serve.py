@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     if args.k is not None:
         s.k, s.adaptive = args.k, False
     s.adaptive = s.adaptive or args.adaptive
-    s.k_max = args.k_max or s.k_max
+    s.k_max = s.k_max if args.k_max is None else args.k_max
     s.watch_registry = s.watch_registry or args.watch_registry
-    s.max_batch = args.max_batch or s.max_batch
+    s.max_batch = s.max_batch if args.max_batch is None else args.max_batch
     s.api_key = args.api_key or s.api_key
     s.api_keys_file = args.api_keys_file or s.api_keys_file
     s.durable_traces = s.durable_traces or args.durable_traces
@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         raise LivedraftError(f"draft lengths must be >= 1, got k={s.k}, k_max={s.k_max}")
     if s.max_batch < 1:
         raise LivedraftError(f"max_batch must be >= 1, got {s.max_batch}")
+    from online.serving import server_options
+
+    server_options(cfg, args.host, args.port)  # bad limits, port or keys file fail before any model loads
     cfg.engine.kind = args.engine or cfg.engine.kind
     if cfg.engine.kind == "llama-server":
         return run_llama_server(args, cfg)
