@@ -429,3 +429,57 @@ def test_a_shutdown_does_not_wait_on_a_client_still_sending_its_body(stories):
         t0 = time.monotonic()
         assert handle.stop(30.0)  # drained: nothing was being served
         assert time.monotonic() - t0 < 8
+
+
+SLOW_COMMIT_SERVER = """
+import sys, time
+import online.stream.sql as sql
+write = sql.SqlSink._write
+def slow_write(self, batch):  # fault injection: the window between an answer and its commit, widened
+    time.sleep(3.0)
+    write(self, batch)
+sql.SqlSink._write = slow_write
+from online.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_kill_between_the_answer_and_its_commit_loses_the_trace_unless_traces_are_durable(
+        stories, tmp_path, durable):
+    """(#25 point 8) The stream's commit is delayed 3 s in the served process and it is SIGKILLed right
+    after the answer: without durable_traces that answer's trace is lost, with it none is."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from online.events import decode_trace
+    from online.store import Store
+    from online.stream.sql import SqlSource
+
+    data = tmp_path / "data"
+    env = {**os.environ, "LIVEDRAFT_DATA_DIR": str(data), "LIVEDRAFT_SERVE__TORCH_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("LIVEDRAFT_CONFIG", None)
+    argv = ["serve", "--target", str(stories.path), "--drafter-kind", "lookup", "--port", "0"]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_COMMIT_SERVER, *argv, *(["--durable-traces"] * durable)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        m = re.search(r"on (http://[\d.]+:\d+)", proc.stdout.readline())
+        assert m, proc.stderr.read()
+        status, body = complete(m.group(1), {"prompt": "Once upon a time", "max_tokens": 8})
+        assert status == 200
+        proc.send_signal(signal.SIGKILL)  # inside the 3 s window, unless the answer waited for the commit
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    store = Store.open(f"sqlite:///{data / 'livedraft.db'}")
+    src = SqlSource(store, "check")
+    src.seek({0: 0})
+    logged = {decode_trace(r.payload).request_id for r in src.poll(1000, 2.0)}
+    store.close()
+    assert (body["id"] in logged) is durable
