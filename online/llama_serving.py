@@ -80,7 +80,7 @@ class UpstreamFactory:
     def __init__(self, cfg: Config, target: LlamaTarget, *, binary: str | None = None) -> None:
         self.cfg, self.target = cfg, target
         self.binary = find_llama_server(binary, llamacpp_locations(cfg))
-        self._binary_arg = binary
+        self.costs_dir = Path(cfg.models.cache_dir).expanduser() / "llama.cpp-costs"
 
     def launch(self, head: Path | None = None, spec: SpecParams = NO_HEAD) -> LaunchSpec:
         e = self.cfg.engine
@@ -94,7 +94,7 @@ class UpstreamFactory:
         of a lineage, whose files differ only in values)."""
         e = self.cfg.engine
         key = cost_key(self.target.gguf, f"head-bytes-{head.stat().st_size}", e.threads, e.parallel, e.ctx_per_slot)
-        cache = Path(self.cfg.models.cache_dir).expanduser() / "llama.cpp-costs" / f"steps-{key}.json"
+        cache = self.costs_dir / f"steps-{key}.json"
         return measure_step_costs(lambda spec: self.launch(head if spec.n_max else None, spec), cache)
 
     def rule(self, head: Path, acceptance: Sequence[float] | None, version: str) -> SpecParams:
@@ -232,7 +232,8 @@ def start_llama_serving(cfg: Config, *, target: LlamaTarget, tokenizer: object, 
     worker = LlamaServerWorker(slot, job_queue(options), target_model=target.model_id, sink=sink,
                                max_batch=cfg.engine.parallel, request_timeout_s=options.request_timeout_s,
                                wait_s=cfg.engine.wait_s, vocab_size=vocab_size,
-                               baseline=lambda: factory.start("none", None, None))
+                               baseline=lambda: factory.start("none", None, None),
+                               max_context=cfg.engine.ctx_per_slot)
     try:
         server = CompletionServer(worker, tokenizer, model_id=target.model_id, options=options, swapper=swapper,
                                   sink=sink, dead_letters=dead_letters)

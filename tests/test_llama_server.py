@@ -98,6 +98,11 @@ def test_completions_are_logged_as_engine_neutral_traces(llama):
         assert status == 200 and body2["livedraft"]["output_ids"] == out
         status, metrics, _ = request(h.url, "GET", "/metrics")
         assert 'livedraft_requests_served_total{version="none"} 2.0' in metrics
+        # what a slot cannot hold is a 400 before it is queued, as in our engine
+        status, body = complete(h.url, {"prompt": prompt, "max_tokens": 600})
+        assert status == 400 and "exceed the context of a llama-server slot (512)" in body["error"]["message"]
+        status, body = complete(h.url, {"prompt": [len(tok) + 5], "max_tokens": 4})
+        assert status == 400 and "outside the target's vocabulary" in body["error"]["message"]
     finally:
         h.stop(10)
 
@@ -252,6 +257,61 @@ def test_swaps_under_streaming_load_fail_nothing_and_keep_greedy_outputs(llama, 
 def test_a_head_without_measured_acceptance_is_not_served(llama, head_gguf):
     _, _, _, factory = llama
     assert factory.rule(head_gguf, None, "1") == SpecParams(0)
+
+
+class _Registry:
+    """The registry calls GgufHeadSource makes, over local head directories."""
+
+    def __init__(self, dirs, acceptance):
+        self.dirs, self.acceptance, self.logged = dirs, acceptance, []
+
+    def download(self, version):
+        return self.dirs[version]
+
+    def acceptance_per_position(self, version):
+        return self.acceptance[version]
+
+    def log_serving(self, version, metrics):
+        self.logged.append((version, metrics))
+
+
+class _Inner:
+    def __init__(self, registry):
+        self.registry = registry
+
+    def current(self):
+        return None
+
+    def report_rollback(self, ref, reason, numbers):
+        pass
+
+
+def test_a_version_is_served_with_the_draft_rule_its_measured_acceptance_and_step_costs_choose(
+        llama, head_gguf, tmp_path):
+    """An untrained head (its gate measured ~0 acceptance) is started without the head; a head that
+    is always right drafts. The step costs are measured on llama-server, once (then cached)."""
+    from online.llama_serving import GgufHeadSource
+
+    _, _, _, factory = llama
+    factory.costs_dir = tmp_path / "costs"
+    head_dir = head_gguf.parent / head_gguf.name.removesuffix(".head.gguf")
+    registry = _Registry({1: head_dir, 2: head_dir}, {1: [0.004, 0.0, 0.0, 0.0], 2: [1.0, 1.0, 1.0, 1.0]})
+    source = GgufHeadSource(_Inner(registry), factory)
+    untrained = source.load(DrafterRef("1"))
+    try:
+        assert untrained.launch.head is None and untrained.launch.spec == SpecParams(0)
+    finally:
+        untrained.stop()
+    assert len(list(factory.costs_dir.glob("steps-*.json"))) == 1
+    perfect = source.load(DrafterRef("2"))
+    try:
+        assert perfect.launch.head == head_gguf and perfect.launch.spec.n_max >= 1
+    finally:
+        source.retire(perfect)
+    assert not perfect.alive
+    (v1, m1), (v2, m2), (v3, m3) = registry.logged
+    assert (v1, v2, v3) == (1, 2, 2) and m1["llama_server_spec_n_max"] == 0 and m2["llama_server_spec_n_max"] >= 1
+    assert 0 < m1["llama_server_swap_load_seconds"] and m3 == {"llama_server_requests_served": 0}
 
 
 def test_the_upstream_refuses_a_bad_binary_with_its_reason(llama, tmp_path):

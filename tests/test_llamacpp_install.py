@@ -373,3 +373,16 @@ def test_cli_missing_toolchain_is_a_one_line_error(tmp_path, monkeypatch, capsys
     assert main(["engine", "install", "llama-server", "--cache-dir", str(tmp_path / "inst")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("livedraft engine: error: building llama.cpp needs cmake") and err.count("\n") == 1
+
+
+def test_the_converter_of_the_source_tree_a_configured_llama_server_was_built_in(tmp_path):
+    from runtime.llamacpp.binary import Locations, find_converter
+
+    tree = tmp_path / "llama.cpp"
+    server = tree / "build" / "bin" / "llama-server"
+    server.parent.mkdir(parents=True)
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    (tree / "gguf-py").mkdir()
+    (tree / "convert_hf_to_gguf.py").write_text("")
+    assert find_converter(Locations(configured=str(server), cache_root=tmp_path / "cache")) == tree

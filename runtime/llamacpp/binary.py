@@ -47,10 +47,15 @@ def find_llama_bench(server: str | None = None, locations: Locations | None = No
 
 
 def find_converter(locations: Locations | None = None) -> Path:
-    """The directory holding the installed convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    """The directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/: the install's, else
+    the llama.cpp source tree a configured llama-server was built in (<tree>/build/bin/)."""
     locations = locations or Locations()
     if installs := _installs(locations):
         return Installation(installs[0]).converter
+    if locations.configured:
+        tree = find_llama_server(None, locations).parent.parent.parent
+        if (tree / CONVERTER[0]).is_file() and (tree / "gguf-py").is_dir():
+            return tree
     where = f"under {locations.cache_root}" if locations.cache_root else "(no install cache given)"
     raise LivedraftError(f"llama.cpp's converter ({CONVERTER[0]}) is not installed {where}: run "
                          "`livedraft engine install llama-server`, which installs it beside the binaries")

@@ -42,13 +42,15 @@ class LlamaServerWorker:
 
     def __init__(self, slot: DrafterSlot, queue_: FairQueue[Job], *, target_model: str, sink: Any = None,  # noqa: ANN401
                  max_batch: int = 4, topk: int = 8, request_timeout_s: float = 300.0, wait_s: float = 30.0,
-                 vocab_size: int | None = None, baseline: Callable[[], Upstream] | None = None) -> None:
+                 vocab_size: int | None = None, baseline: Callable[[], Upstream] | None = None,
+                 max_context: int | None = None) -> None:
         """`baseline()` starts a target-only llama-server for requests with `speculate` false (the
         same-run baseline), once, when the serving upstream drafts."""
         self.slot, self.queue = slot, queue_
         self._make_baseline, self._baseline = baseline, None
         self.target_model, self.sink, self.max_batch, self.topk = target_model, sink, max_batch, topk
         self.request_timeout_s, self.wait_s, self.vocab_size = request_timeout_s, wait_s, vocab_size
+        self.max_context = max_context  # a slot's context: prompt + completion must fit
         self.text_stream: Callable[[Job], Any] | None = None
         self.on_result: Callable[[Job], None] = lambda job: None
         self.restarts = 0
@@ -81,6 +83,12 @@ class LlamaServerWorker:
             raise QueueFull("the server is shutting down: retry later", 503)
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise RequestError(f"prompt holds token ids outside the target's vocabulary [0, {self.vocab_size})")
+        req.params.validate()
+        need = len(req.prompt_ids) + req.params.max_new_tokens
+        if self.max_context is not None and need > self.max_context:
+            raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_new_tokens}) "
+                               f"exceed the context of a llama-server slot ({self.max_context}): shorten them, or "
+                               "raise [engine] ctx_per_slot")
         job = Job(req, client)
         self.queue.put(client, job)
         return job
