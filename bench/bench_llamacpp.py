@@ -36,6 +36,7 @@ from runtime.llamacpp.costs import (
     measure_forward_costs,
 )
 from runtime.llamacpp.upstream import LaunchSpec, SpecParams, Upstream
+from runtime.loader import PACKAGED, _packaged_file
 
 CALIBRATION = ["Tell me a story about a dragon who was afraid of the dark.",
                "Explain what a linked list is.", "Give three tips for writing clear emails."]
@@ -93,7 +94,7 @@ def main() -> None:
     cfg.engine.target_type = "f32"
     base_target = resolve_llama_target(args.target, cfg)
     f32 = Path(args.f32) if args.f32 else resolve_llama_target(str(base_target.hf_dir), cfg).gguf
-    q4 = Path(args.q4) if args.q4 else (base_target.gguf if base_target.gguf != f32 else None)
+    q4 = Path(args.q4) if args.q4 else (_packaged_file(args.target) if args.target in PACKAGED else None)
     target = type(base_target)(f32, base_target.hf_dir, base_target.model_id)
     factory = UpstreamFactory(cfg, target, binary=args.llama_server)
     from transformers import AutoTokenizer

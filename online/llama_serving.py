@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,13 @@ from online.config import Config
 from runtime.errors import LivedraftError
 from runtime.hotswap import DrafterRef, DrafterSource, HotSwapper, RollbackConfig
 from runtime.llamacpp.binary import find_llama_server
-from runtime.llamacpp.costs import StepCosts, choose_spec, cost_key, measure_step_costs
+from runtime.llamacpp.costs import (
+    StepCosts,
+    choose_spec,
+    cost_key,
+    measure_step_costs,
+    served_speedup,
+)
 from runtime.llamacpp.upstream import LaunchSpec, SpecParams, Upstream, UpstreamError
 from runtime.llamacpp.worker import LlamaServerWorker
 from runtime.loader import PACKAGED, resolve_model_dir
@@ -116,8 +123,70 @@ class UpstreamFactory:
 
     def start(self, version: str, head: Path | None, acceptance: Sequence[float] | None) -> Upstream:
         spec = self.rule(head, acceptance, version) if head is not None else SpecParams(0)
-        up = Upstream(self.launch(head if spec.n_max else None, spec), version=version)
+        # the rule's head is remembered (RuleGuard) when the rule chose one
+        rule = (head, spec) if head is not None and spec.n_max else None
+        up = Upstream(self.launch(head if spec.n_max else None, spec), version=version, head_rule=rule)
         return up.start(self.cfg.engine.start_timeout_s)
+
+
+class RuleGuard:
+    """Do no harm, live: the rule a version was started with rests on its replay acceptance, measured
+    on past traffic. Every `window` requests the serving upstream's own counts (llama-server's
+    drafted / accepted) say what drafting gave; where that is under `floor` of the target alone, the
+    version is restarted without its head (the same swap as a new version: start, health, route,
+    drain), and every `reprobe` requests after that its rule is tried again."""
+
+    def __init__(self, factory: UpstreamFactory, slot: DrafterSlot, *, window: int = 24, floor: float = 1.0,
+                 reprobe: int = 256) -> None:
+        self.factory, self.slot = factory, slot
+        self.window, self.floor, self.reprobe = window, floor, reprobe
+        self.switches = 0
+        self._lock = threading.Lock()
+        self._counts: dict[int, list[int]] = {}  # id(upstream) -> [requests, tokens, steps, drafted]
+        self._busy = False
+
+    def observe(self, up: Upstream, stats: object) -> None:
+        if up is not self.slot.get() or up.head_rule is None:
+            return
+        with self._lock:
+            c = self._counts.setdefault(id(up), [0, 0, 0, 0])
+            c[0] += 1
+            c[1], c[2], c[3] = c[1] + stats.output_tokens, c[2] + stats.steps, c[3] + stats.drafted
+            due = c[0] >= (self.window if up.launch.head is not None else self.reprobe) and not self._busy
+            if not due:
+                return
+            self._busy = True
+            requests, tokens, steps, drafted = c
+            self._counts.pop(id(up))
+        threading.Thread(target=self._check, args=(up, tokens, steps, drafted), name="livedraft-rule-guard",
+                         daemon=True).start()
+
+    def _check(self, up: Upstream, tokens: int, steps: int, drafted: int) -> None:
+        try:
+            head, spec = up.head_rule
+            if up.launch.head is not None:
+                gain = served_speedup(tokens, steps, drafted, self.factory.step_costs(head), spec.n_max)
+                if gain >= self.floor:
+                    return
+                log.warning("drafter %s on llama-server gave %.2fx the target alone over its last %d requests: "
+                            "serving it without its head (its rule is tried again after %d requests)",
+                            up.version, gain, self.window, self.reprobe)
+                new = Upstream(self.factory.launch(None, SpecParams(0)), version=up.version, head_rule=up.head_rule)
+            else:
+                log.info("drafter %s on llama-server: trying its head again (n-max %d)", up.version, spec.n_max)
+                new = Upstream(self.factory.launch(head, spec), version=up.version, head_rule=up.head_rule)
+            new.start(self.factory.cfg.engine.start_timeout_s)
+            if self.slot.get() is not up:  # a swap or rollback came first: it decides
+                new.stop()
+                return
+            self.slot.swap(new)
+            self.switches += 1
+            up.retire()
+        except Exception:
+            log.exception("the draft rule's live check of drafter %s failed", up.version)
+        finally:
+            with self._lock:
+                self._busy = False
 
 
 class GgufHeadSource:
@@ -187,6 +256,7 @@ class LlamaServing:
     swapper: HotSwapper | None
     slot: DrafterSlot
     sink: object | None
+    guard: RuleGuard
 
     @property
     def url(self) -> str:
@@ -241,10 +311,12 @@ def start_llama_serving(cfg: Config, *, target: LlamaTarget, tokenizer: object, 
         initial.stop()
         raise ServeError(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}: "
                          "pick another --port (0 = any free port)") from e
+    guard = RuleGuard(factory, slot)
+    worker.on_served = guard.observe
     server.start()
     if swapper is not None:
         swapper.start()
-    return LlamaServing(server, worker, swapper, slot, sink)
+    return LlamaServing(server, worker, swapper, slot, sink, guard)
 
 
 __all__ = ["GgufHeadSource", "LlamaServing", "LlamaTarget", "UpstreamError", "UpstreamFactory",

@@ -325,3 +325,30 @@ def test_the_upstream_refuses_a_bad_binary_with_its_reason(llama, tmp_path):
     up = Upstream(type(launch)(**{**launch.__dict__, "binary": Path(bad)}))
     with pytest.raises(UpstreamError, match="exited with code 3 while starting: error: model not found"):
         up.start(10)
+
+
+def test_a_head_that_does_not_pay_on_live_traffic_is_switched_off_then_tried_again(llama, head_gguf, tmp_path):
+    """The version claims perfect acceptance (its rule drafts), the untrained head never is right:
+    after a window of requests the live check restarts the version without its head, and after
+    `reprobe` more requests tries the head again."""
+    _, _, tok, factory = llama
+    factory.costs_dir = tmp_path / "costs"
+    up = factory.start("1", head_gguf, [1.0, 1.0, 1.0, 1.0])
+    assert up.launch.head == head_gguf
+    h = _serve(llama, upstream=up)
+    h.guard.window, h.guard.reprobe = 6, 6
+    try:
+        prompt = _ids(tok, PROMPTS[2])
+        for _ in range(6):
+            assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200
+        wait_until(lambda: h.slot.get().launch.head is None, timeout_s=60, what="the head to be switched off")
+        off = h.slot.get()
+        assert off.version == "1" and h.guard.switches == 1
+        wait_until(lambda: not up.alive, timeout_s=30, what="the drafting llama-server to be stopped")
+        for _ in range(6):
+            status, body = complete(h.url, {"prompt": prompt, "max_tokens": 16})
+            assert status == 200 and body["livedraft"]["stats"]["drafted"] == 0
+        wait_until(lambda: h.slot.get().launch.head == head_gguf, timeout_s=60, what="the head to be tried again")
+        assert h.guard.switches == 2
+    finally:
+        h.stop(10)

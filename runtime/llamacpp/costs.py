@@ -99,6 +99,14 @@ def choose_spec(acceptance: Sequence[float] | None, costs: StepCosts, *, margin:
     return SpecParams(best_n, round(min(max(marginal, 0.0), 0.9), 4)), best
 
 
+def served_speedup(tokens: int, steps: int, drafted: int, costs: StepCosts, n_max: int) -> float:
+    """What drafting gave served traffic, from llama-server's counts: tokens over the steps' cost in
+    target-alone steps, a step costing 1 plus (C(n_max) - 1) / n_max per drafted token (a draft
+    cut short by p-min costs its share)."""
+    cost = steps + drafted * (costs.ratio(n_max) - 1.0) / max(n_max, 1)
+    return tokens / cost if cost > 0 else 1.0
+
+
 def acceptance_from_counts(steps: int, accepted: int, n: int) -> list[float]:
     """Per-position acceptance A_1..A_n from a fixed-n run's totals (llama-server reports no
     per-position counts): the chain A_i = b^i whose expected accepted tokens per step,

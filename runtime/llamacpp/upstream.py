@@ -84,6 +84,7 @@ class Upstream:
     started_at: float = 0.0
     served: int = 0  # requests finished here
     restarting: bool = False  # between a (re)start and its first healthy answer
+    head_rule: tuple[Path, SpecParams] | None = None  # the head and rule the cost rule chose (RuleGuard)
     _inflight: int = 0
     _retired: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)

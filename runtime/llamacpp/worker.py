@@ -53,6 +53,8 @@ class LlamaServerWorker:
         self.max_context = max_context  # a slot's context: prompt + completion must fit
         self.text_stream: Callable[[Job], Any] | None = None
         self.on_result: Callable[[Job], None] = lambda job: None
+        # (upstream, stats) of each finished request: the draft rule's live check (online.llama_serving)
+        self.on_served: Callable[[Upstream, Any], None] = lambda up, stats: None
         self.restarts = 0
         self._accepting = True
         self._free = threading.Semaphore(max_batch)
@@ -170,10 +172,11 @@ class LlamaServerWorker:
             self._free.release()
             EngineWorker.finish(job)
         if job.result is not None:
-            try:
-                self.on_result(job)
-            except Exception:
-                log.exception("result hook failed after %s", job.id)
+            for hook in (self.on_result, lambda j: self.on_served(up, j.result.stats)):
+                try:
+                    hook(job)
+                except Exception:
+                    log.exception("result hook failed after %s", job.id)
 
     def _target_only(self) -> Upstream:
         up = self.slot.get()
