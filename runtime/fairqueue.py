@@ -81,6 +81,14 @@ class FairQueue(Generic[T]):
             self._closed = True
             self._cond.notify_all()
 
+    def close_and_take(self) -> list[T]:
+        """Closes the queue and returns what was still queued (a backend's `close`)."""
+        self.close()
+        left = []
+        while (item := self.get(timeout_s=0)) is not None:
+            left.append(item)
+        return left
+
     def __len__(self) -> int:
         with self._cond:
             return self._size

@@ -121,11 +121,7 @@ class EngineWorker:
     def close(self) -> list[Job]:
         """Stops admitting and closes the queue; returns the jobs still queued (not admitted)."""
         self._accepting = False
-        self.queue.close()
-        left = []
-        while (job := self.queue.get(timeout_s=0)) is not None:
-            left.append(job)
-        return left
+        return self.queue.close_and_take()
 
     def join(self, timeout_s: float) -> None:
         if self._thread is not None:

@@ -106,11 +106,7 @@ class LlamaServerWorker:
 
     def close(self) -> list[Job]:
         self._accepting = False
-        self.queue.close()
-        left = []
-        while (job := self.queue.get(timeout_s=0)) is not None:
-            left.append(job)
-        return left
+        return self.queue.close_and_take()
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
