@@ -105,11 +105,13 @@ class UpstreamFactory:
         return measure_step_costs(lambda spec: self.launch(head if spec.n_max else None, spec), cache)
 
     def rule(self, head: Path, acceptance: Sequence[float] | None, version: str) -> SpecParams:
-        """The draft rule for `head` given its measured acceptance per position (None: no evidence)."""
+        """The draft rule for `head` given its measured acceptance per position (None: no evidence).
+        The step costs are measured even without evidence: the first version's load runs before
+        serving starts, on a quiet machine, and every later version of its size reads the cache."""
+        costs = self.step_costs(head)
         if not acceptance:
             log.warning("drafter %s has no measured acceptance yet: llama-server serves without it", version)
             return SpecParams(0)
-        costs = self.step_costs(head)
         spec, expected = choose_spec(acceptance, costs, margin=self.cfg.engine.min_speedup)
         per_pos = ", ".join(f"{a:.2f}" for a in acceptance[:4])
         steps = ", ".join(f"{costs.ratio(n):.2f}" for n in range(1, costs.max_n + 1))

@@ -44,6 +44,7 @@ def llama(tmp_path_factory):
         factory = UpstreamFactory(cfg, target)
     except LivedraftError as e:
         pytest.skip(f"llama-server tests need the binary and SmolLM2: {e}")
+    factory.costs_dir = tmp_path_factory.mktemp("costs")  # timings under test load stay out of the cache
     return cfg, target, AutoTokenizer.from_pretrained(target.hf_dir), factory
 
 

@@ -30,6 +30,9 @@ DEMO_DEFAULTS = {
                "holdout_traces": 4, "drain_timeout_s": 90.0},
     "trainer": {"steps": 16, "batch_size": 8, "max_seconds": 60.0, "lr": 5e-4},
     "serve": {"poll_s": 1.0, "torch_threads": 1},
+    # llama-server beside the trainer on a small CPU: one core each (llama.cpp's spinning threads
+    # and torch's on the same two cores slow both by an order of magnitude)
+    "engine": {"threads": 1},
 }
 WARM_START_PROMPTS = 96  # built-in prompts the target answers for an initial eagle head
 

@@ -8,6 +8,7 @@ kept for the error a client sees when the process dies.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import http.client
 import json
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,13 +69,22 @@ class LaunchSpec:
         return argv + self.spec.args(self.head) + list(self.extra)
 
 
+_LIVE: weakref.WeakSet[Upstream] = weakref.WeakSet()  # started here: stopped at exit whatever path it took
+
+
+@atexit.register
+def _stop_all() -> None:
+    for up in list(_LIVE):
+        up.kill()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-@dataclass
+@dataclass(eq=False)  # a process handle: identity, hashable (the exit hook's WeakSet)
 class Upstream:
     """A llama-server process serving one drafter version (`version`) with `launch`."""
 
@@ -112,6 +123,7 @@ class Upstream:
         except OSError as e:
             raise UpstreamError(f"cannot run llama-server {self.launch.binary}: {e.strerror or e}") from e
         self.started_at = time.monotonic()
+        _LIVE.add(self)
         threading.Thread(target=self._read_log, name=f"llama-server-log-{self.port}", daemon=True).start()
         try:
             self.wait_healthy(timeout_s)
