@@ -97,4 +97,4 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, capsys):
         assert main(["serve", "--target", str(corrupt), flag, "0"]) == 2
         _one_error_line(capsys, "must be >= 1")
     assert main(["replay", "--traffic", "http://example.invalid/x", "--drafter-kind", "lookup"]) == 2
-    _one_error_line(capsys, "a store is SQLite or PostgreSQL")
+    _one_error_line(capsys, "is not a store URL livedraft reads: SQLite or PostgreSQL")

@@ -115,8 +115,8 @@ def _open_store(url: str) -> Any:
     except ArgumentError:
         raise LivedraftError(f"--traffic {url!r} is not a database URL (sqlite:///path.db or postgresql+psycopg://...)") from None
     if u.get_backend_name() not in ("sqlite", "postgresql"):
-        raise LivedraftError(f"--traffic {url!r}: a store is SQLite or PostgreSQL (sqlite:///path.db, "
-                             "postgresql+psycopg://...), or give a .jsonl export")
+        raise LivedraftError(f"--traffic {url!r} is not a store URL livedraft reads: SQLite or PostgreSQL "
+                             "(sqlite:///path.db, postgresql+psycopg://...), or give a .jsonl export")
     if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
         if not Path(u.database).expanduser().is_file():
             raise LivedraftError(f"no store at {u.database}: the SQLite file does not exist")
