@@ -181,7 +181,7 @@ ENGINES = ("livedraft", "llama-server")  # EngineConfig.kind
 class EngineConfig:
     """The serving engine behind `serve` / `up`: livedraft's own, or a llama-server it supervises."""
 
-    kind: str = "livedraft"  # livedraft | llama-server (the binary: llama_server)
+    kind: str = "livedraft"  # "livedraft" or "llama-server" (its binary: the top-level llama_server)
     threads: int = 0  # llama-server's -t / -tb; 0 = llama.cpp's default
     parallel: int = 4  # llama-server's slots (requests decoded together)
     ctx_per_slot: int = 2048  # context per slot (prompt + completion)
