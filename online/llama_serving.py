@@ -111,7 +111,7 @@ class UpstreamFactory:
         costs = self.step_costs(head)
         if not acceptance:
             log.warning("drafter %s has no measured acceptance yet: llama-server serves without it", version)
-            return SpecParams(0)
+            return NO_HEAD
         spec, expected = choose_spec(acceptance, costs, margin=self.cfg.engine.min_speedup)
         per_pos = ", ".join(f"{a:.2f}" for a in acceptance[:4])
         steps = ", ".join(f"{costs.ratio(n):.2f}" for n in range(1, costs.max_n + 1))
@@ -124,7 +124,7 @@ class UpstreamFactory:
         return spec
 
     def start(self, version: str, head: Path | None, acceptance: Sequence[float] | None) -> Upstream:
-        spec = self.rule(head, acceptance, version) if head is not None else SpecParams(0)
+        spec = self.rule(head, acceptance, version) if head is not None else NO_HEAD
         # the rule's head is remembered (RuleGuard) when the rule chose one
         rule = (head, spec) if head is not None and spec.n_max else None
         up = Upstream(self.launch(head if spec.n_max else None, spec), version=version, head_rule=rule)
@@ -173,7 +173,7 @@ class RuleGuard:
                 log.warning("drafter %s on llama-server gave %.2fx the target alone over its last %d requests: "
                             "serving it without its head (its rule is tried again after %d requests)",
                             up.version, gain, self.window, self.reprobe)
-                new = Upstream(self.factory.launch(None, SpecParams(0)), version=up.version, head_rule=up.head_rule)
+                new = Upstream(self.factory.launch(None, NO_HEAD), version=up.version, head_rule=up.head_rule)
             else:
                 log.info("drafter %s on llama-server: trying its head again (n-max %d)", up.version, spec.n_max)
                 new = Upstream(self.factory.launch(head, spec), version=up.version, head_rule=up.head_rule)
