@@ -100,6 +100,7 @@ class Upstream:
     _retired: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    _reader: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -124,7 +125,8 @@ class Upstream:
             raise UpstreamError(f"cannot run llama-server {self.launch.binary}: {e.strerror or e}") from e
         self.started_at = time.monotonic()
         _LIVE.add(self)
-        threading.Thread(target=self._read_log, name=f"llama-server-log-{self.port}", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_log, name=f"llama-server-log-{self.port}", daemon=True)
+        self._reader.start()
         try:
             self.wait_healthy(timeout_s)
         except UpstreamError:
@@ -176,8 +178,20 @@ class Upstream:
             self.process.wait(5)
 
     def last_words(self) -> str:
+        if self._reader is not None and not self.alive:
+            self._reader.join(1.0)  # a process that exited: its last lines may still be in the pipe
         lines = [ln for ln in self._tail if ln.strip()]
         return " | ".join(lines[-3:]) if lines else "(no output)"
+
+    def failure(self, what: str) -> str:
+        """Why a request to this upstream broke: the process's exit when it died (waited for
+        briefly: a dropped connection can come before the kernel reaps the process), else `what`."""
+        if self.process is not None:
+            try:
+                self.process.wait(1.0)
+            except subprocess.TimeoutExpired:
+                return what
+        return self.exit_reason()
 
     def exit_reason(self) -> str:
         code = self.process.returncode if self.process is not None else None
@@ -242,7 +256,7 @@ class Upstream:
             resp = conn.getresponse()
         except OSError as e:
             conn.close()
-            raise UpstreamError(self.exit_reason() if not self.alive else f"llama-server unreachable: {e}") from e
+            raise UpstreamError(self.failure(f"llama-server unreachable: {e}")) from e
         if resp.status != 200:
             detail = resp.read(2000).decode("utf-8", "replace")
             conn.close()

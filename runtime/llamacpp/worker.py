@@ -229,10 +229,9 @@ class LlamaServerWorker:
                     final = data
                     break
             else:
-                raise UpstreamError(up.exit_reason() if not up.alive else
-                                    "llama-server ended the stream without a final message")
+                raise UpstreamError(up.failure("llama-server ended the stream without a final message"))
         except OSError as e:
-            raise UpstreamError(up.exit_reason() if not up.alive else f"llama-server connection failed: {e}") from e
+            raise UpstreamError(up.failure(f"llama-server connection failed: {e}")) from e
         finally:
             conn.close()
         finish = STOP_STRING if stopped else STOP_TYPES.get(final.get("stop_type", ""), "length")
