@@ -92,7 +92,6 @@ class Upstream:
     version: str = "none"
     port: int = 0
     process: subprocess.Popen | None = None
-    started_at: float = 0.0
     served: int = 0  # requests finished here
     restarting: bool = False  # between a (re)start and its first healthy answer
     head_rule: tuple[Path, SpecParams] | None = None  # the head and rule the cost rule chose (RuleGuard)
@@ -123,7 +122,6 @@ class Upstream:
                                             stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
             raise UpstreamError(f"cannot run llama-server {self.launch.binary}: {e.strerror or e}") from e
-        self.started_at = time.monotonic()
         _LIVE.add(self)
         self._reader = threading.Thread(target=self._read_log, name=f"llama-server-log-{self.port}", daemon=True)
         self._reader.start()
@@ -225,10 +223,6 @@ class Upstream:
             self._inflight -= 1
             self.served += 1
             self._cond.notify_all()
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
 
     @property
     def retired(self) -> bool:
