@@ -42,7 +42,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def stories(tmp_path_factory):
-    """The real stories260K target (skips when ../shared is absent)."""
+    """The suite's own trained story model, stories260K-shaped (tests/testmodel.py; trained once per machine)."""
     from tests.models import load_stories
 
     return load_stories(tmp_path_factory.mktemp("models"))
@@ -50,7 +50,7 @@ def stories(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stories_drafter_dir(stories, tmp_path_factory):
-    """A 2-layer drafter derived from stories260K."""
+    """A 2-layer drafter derived from the story model."""
     from runtime.derive import derive_drafter
 
     return derive_drafter(stories, 2, tmp_path_factory.mktemp("drafter") / "d2")

@@ -1,4 +1,4 @@
-"""Fixtures for EAGLE-3 heads: stories260K traffic and a head warm-started on it (seconds)."""
+"""Fixtures for EAGLE-3 heads: story-model traffic and a head warm-started on it (seconds)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def story_prompts() -> list[str]:
 
 @pytest.fixture(scope="session")
 def eagle_traffic(stories):
-    """150 greedy stories260K requests of 48 tokens, answered by the batched engine."""
+    """150 greedy story-model requests of 48 tokens, answered by the batched engine."""
     from online.trainer.warmstart import answer_prompts
 
     ids = [stories.tokenizer(p).input_ids for p in story_prompts()[:150]]
@@ -28,7 +28,7 @@ def eagle_traffic(stories):
 
 @pytest.fixture(scope="session")
 def stories_eagle_dir(stories, eagle_traffic, tmp_path_factory):
-    """An Eagle3 head for stories260K warm-started on 120 of those requests (held-out MAL ~3.5-4)."""
+    """An Eagle3 head for the story model warm-started on 120 of those requests."""
     from online.config import TrainerConfig
     from online.trainer.warmstart import warm_start
 
@@ -40,7 +40,7 @@ def stories_eagle_dir(stories, eagle_traffic, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stories_eagle_init_dir(stories, eagle_traffic, tmp_path_factory):
-    """A fresh (untrained) head for stories260K: drafts, and is mostly wrong."""
+    """A fresh (untrained) head for the story model: drafts, and is mostly wrong."""
     from online.trainer.eagle import choose_draft_vocab, init_head, save_head
 
     out = tmp_path_factory.mktemp("eagle") / "e0"

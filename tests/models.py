@@ -1,18 +1,14 @@
-"""Tiny models for tests: random Llamas built in code, and the real stories260K."""
+"""Tiny models for tests: random Llamas built in code, and the suite's own trained story model."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from runtime.loader import LoadedModel, load_model
-
-SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
-STORIES = SHARED_MODELS / "stories260K"
 
 
 def tiny_llama(vocab: int = 96, layers: int = 2, hidden: int = 32, seed: int = 0, ctx: int = 256) -> LlamaForCausalLM:
@@ -34,11 +30,12 @@ def loaded(model: LlamaForCausalLM, model_id: str = "tiny") -> LoadedModel:
 
 
 def stories_copy(tmp: Path) -> Path:
-    if not STORIES.is_dir():
-        pytest.skip(f"real model not available: {STORIES} is missing (it ships in ../shared, beside the repo)")
-    dst = tmp / "stories260K"
+    """A private copy of the trained test model (tests.testmodel; trained once per machine)."""
+    from tests.testmodel import test_model_dir
+
+    dst = tmp / "tiny-stories"
     if not dst.exists():
-        shutil.copytree(STORIES, dst)
+        shutil.copytree(test_model_dir(), dst)
     return dst
 
 

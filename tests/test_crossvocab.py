@@ -196,7 +196,7 @@ def test_bridge_learns_mappings_and_round_trips_through_a_snapshot(tokenizers_pa
 
 
 def test_a_round_of_hybrid_distillation_improves_held_out_acceptance(stories, smollm2, tmp_path):
-    """stories260K drafting for SmolLM2 on story traffic: one replay-gated round (hybrid distillation
+    """The story model drafting for SmolLM2 on story traffic: one replay-gated round (hybrid distillation
     on 40 traces) raises held-out acceptance, fixed seed."""
     import json
 

@@ -1,4 +1,4 @@
-"""The whole loop on CPU (issue #4 point 11): stories260K served over HTTP with a weak derived 2-layer
+"""The whole loop on CPU (issue #4 point 11): the story model served over HTTP with a weak derived 2-layer
 drafter as the initial champion; greedy traffic → memory stream → collector → SQLite store →
 trainer rounds fired by the real APScheduler trigger → MLflow store → hot-swap through
 RegistryDrafterSource. The served drafter version must change, the promoted candidate must beat
@@ -21,9 +21,9 @@ from runtime.drafters.none import NoDrafter
 from runtime.engine import SamplingParams, SpeculativeEngine
 from tests.polling import wait_for
 
-# The weak derived drafter serves stories260K at mean acceptance length ~1.05; one 60-step round
-# on ~30 traces lifts held-out replay to ~3 (tests/test_trainer_round.py measures 3.2-3.9 with 32
-# training traces). +0.5 is far outside noise and far below the measured gain.
+# The derived 2-layer drafter serves the story model at mean acceptance length ~2.4 (k = 4,
+# measured); one 60-step round on ~30 traces lifts held-out replay clearly above it. +0.5 is far
+# outside noise and below the gain a round makes (tests/test_trainer_round.py).
 MARGIN = 0.5
 MAX_TOKENS = 48
 
@@ -51,7 +51,7 @@ def test_the_loop_learns_from_live_traffic_and_stays_lossless(stories, stories_d
         daemon=DaemonConfig(interval_s=0, min_new_traces=30, check_interval_s=0.2, window_traces=40,
                             holdout_traces=8, collector_poll_s=0.1),
         # fixed k: served acceptance is what this test compares (adaptive k would rightly switch
-        # a drafter as costly as stories260K itself off, and acceptance would read ~1.0)
+        # a drafter as costly as the story model itself off, and acceptance would read ~1.0)
         serve=ServeConfig(port=0, poll_s=0.2, k=4, adaptive=False),
     )
     registry = DrafterRegistry.from_config(cfg)

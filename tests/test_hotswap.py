@@ -1,4 +1,4 @@
-"""Hot-swap on the real stories260K: swaps between requests, pinned drafters, load failures, rollback."""
+"""Hot-swap on the story model: swaps between requests, pinned drafters, load failures, rollback."""
 
 from __future__ import annotations
 

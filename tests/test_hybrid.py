@@ -1,4 +1,4 @@
-"""Suffix, n-gram and hybrid drafters through the real engine: lossless on stories260K,
+"""Suffix, n-gram and hybrid drafters through the real engine: lossless on the story model,
 sources recorded per step, tag isolation, and acceptance on repetitive traffic next to our
 prompt lookup and HF's prompt lookup on the same traces."""
 

@@ -114,7 +114,7 @@ def test_prompt_chunks_packed_beside_decode_rows_equal_each_row_alone():
 
 def test_features_are_the_hidden_states_at_the_input_of_the_chosen_layers(stories):
     layers = default_feature_layers(stories.model.config.num_hidden_layers)
-    assert layers == (0, 2, 4)  # stories260K has 5 layers: too few for EAGLE-3's (2, L/2, L-3)
+    assert layers == (0, 2, 4)  # the story model has 5 layers: too few for EAGLE-3's (2, L/2, L-3)
     assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2-135M
     ids = stories.tokenizer("Once upon a time, there was a dog named").input_ids
     with torch.inference_mode():

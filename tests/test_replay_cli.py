@@ -1,4 +1,4 @@
-"""`livedraft replay` on stories260K traffic: same numbers as online.replay, from JSONL and from a store."""
+"""`livedraft replay` on story-model traffic: same numbers as online.replay, from JSONL and from a store."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, finish
     sink = MemorySink()
     engine = SpeculativeEngine.for_model(stories, make(), EngineConfig(draft=length, measure_costs=False), sink=sink)
     engine.costs = CostModel.synthetic(0.1)  # adaptive k decides on the costs replay assumes
-    if finish == "stop":  # stories260K never emits EOS; "." as a stop token exercises finish_reason "stop"
+    if finish == "stop":  # the story model never emits EOS; "." as a stop token exercises finish_reason "stop"
         engine.eos_ids = {stories.tokenizer.convert_tokens_to_ids(".")}
     # STOP_STRING: the caller ends each request mid-way, as a server does on a stop string
     served = [engine.generate(stories.tokenizer(p).input_ids, SamplingParams(max_new_tokens=n),

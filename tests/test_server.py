@@ -1,4 +1,4 @@
-"""The HTTP server on a real port with stories260K: completions, SSE, errors, metrics, fairness, drain."""
+"""The HTTP server on a real port with the story model: completions, SSE, errors, metrics, fairness, drain."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A training round on real stories260K traffic: the distilled candidate must clearly beat the weak
+"""A training round on the story model's traffic: the distilled candidate must clearly beat the weak
 2-layer derived champion on held-out traffic, and the gate must refuse candidates that do not."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`livedraft up --demo` as a real process on stories260K (the main job's wiring): it serves, collects,
+"""`livedraft up --demo` as a real process on the story model (the main job's wiring): it serves, collects,
 trains through the scheduler, hot-swaps, prints the acceptance per drafter version, drains, exits 0."""
 
 from __future__ import annotations
