@@ -12,7 +12,16 @@ target forward by the number of tokens it fed, seconds of a drafter's propose by
 number of tokens it drafted (`CostModel`). A drafter that does not pay is switched off
 (k = 0) and probed with one draft token every `probe_every` steps, so a drafter that
 starts paying (a hot-swapped version, a repetitive stretch for a suffix cache) is
-noticed. In a batch the widths are padded to the longest row, so the batch shares one
+noticed. Probes are spaced further apart when they are dear: their extra seconds, spread over
+the steps between them, stay under `probe_budget` of a step that drafts nothing.
+
+Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
+all its requests) drafts only probes: at a request's first step, then back to back while they
+are accepted, else every `probe_every` steps; nothing is drafted
+before the target's cost is measured; an unmeasured draft cost is the last measured version's,
+else one target step per token, never free. Costs carry across requests and swaps.
+
+In a batch the widths are padded to the longest row, so the batch shares one
 cap K, chosen the same way over the sum of the rows' expected tokens: as the batch
 grows, verifying another position costs more rows of compute and the best K shrinks.
 
@@ -30,6 +39,7 @@ k must not depend on timings or on other requests: they use the acceptance-only 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 
@@ -42,6 +52,8 @@ class DraftLengthConfig:
     prior: float = 1.0  # Beta(prior, prior) smoothing of acceptance counts
     prior_strength: float = 4.0  # pseudo-steps of the drafter version's acceptance a request starts from
     probe_every: int = 8  # adaptive: with k = 0 best, draft one token every this many steps
+    min_evidence: int = 16  # adaptive: drafted positions a version needs before k > 1 (module docstring)
+    probe_budget: float = 0.02  # adaptive: probes' extra seconds, spread over the steps between them, per step
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -52,6 +64,10 @@ class DraftLengthConfig:
             raise ValueError(f"min_reach_prob must be in [0, 1), got {self.min_reach_prob}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.min_evidence < 0:
+            raise ValueError(f"min_evidence must be >= 0, got {self.min_evidence}")
+        if not self.probe_budget > 0.0:
+            raise ValueError(f"probe_budget must be > 0, got {self.probe_budget}")
 
 
 class Curve:
@@ -106,11 +122,12 @@ class Curve:
 class CostModel:
     """Measured step costs: the target by tokens fed per forward (rows x padded width), each
     drafter version by tokens drafted per propose (summed over rows; key "" stands for any
-    version not measured yet)."""
+    version not measured yet: `synthetic`). An unmeasured version is never free (`draft_seconds`)."""
 
     # until a second width is measured, verifying one more token is assumed to cost 10 % more
     verify: Curve = field(default_factory=lambda: Curve(one_point_slope=0.1))
     draft: dict[str, Curve] = field(default_factory=dict)
+    last_draft: str | None = None  # the version whose draft cost was measured last
 
     @classmethod
     def synthetic(cls, draft_ratio: float, verify_slope: float = 0.1) -> CostModel:
@@ -127,15 +144,30 @@ class CostModel:
         self.verify.record(tokens, seconds)
 
     def record_draft(self, version: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return  # nothing drafted: no sample (and no "last measured" version)
         self.draft.setdefault(version, Curve()).record(tokens, seconds)
+        self.last_draft = version
+
+    def draft_seconds(self, version: str, tokens: int) -> float | None:
+        """Seconds for `version` to draft `tokens`: its own curve; until it has one, "" (synthetic),
+        then the last measured version's; with none, one one-token target step per drafted token
+        (conservative: a probe measures the real cost). None before the target was measured."""
+        if tokens <= 0:
+            return 0.0
+        for key in (version, "", self.last_draft):
+            curve = self.draft.get(key) if key is not None else None
+            if curve is not None and curve.xs:
+                return curve(tokens)
+        one = self.verify(1)
+        return None if one is None else one * tokens
 
     def step_seconds(self, version: str, rows: int, k: int) -> float | None:
         """A step of `rows` requests drafting k tokens each; None until the target was measured."""
         v = self.verify(rows * (k + 1))
         if v is None:
             return None
-        d = self.draft.get(version, self.draft.get(""))
-        return v + ((d(rows * k) or 0.0) if d is not None and k > 0 else 0.0)
+        return v + (self.draft_seconds(version, rows * k) or 0.0)
 
 
 class AcceptanceCounts:
@@ -169,6 +201,7 @@ class DraftLengthController:
         self.own = AcceptanceCounts()
         self.shared = shared
         self.since_draft = 0  # steps since this request last drafted
+        self.last_hit = False  # this request's last step drafted and every drafted token was accepted
 
     @property
     def min_confidence(self) -> float:
@@ -214,29 +247,44 @@ class DraftLengthController:
                 return max(i, 1)
         return k
 
-    def wants_probe(self) -> bool:
-        return self.since_draft + 1 >= self.config.probe_every
+    def evidence(self) -> int:
+        """Drafted positions the target has judged for this version: all its requests' (the
+        shared counts a request starts from), or this request's own without them."""
+        return sum((self.shared if self.shared is not None else self.own).reached)
+
+    def proven(self) -> bool:
+        return self.evidence() >= self.config.min_evidence
+
+    def wants_probe(self, every: int | None = None) -> bool:
+        """A one-token probe is due: `every` (default probe_every) steps without drafting; for a
+        version still unproven also at a request's first step and at once after a probe was
+        accepted (evidence, gathered while it pays)."""
+        if not self.proven() and (self.last_hit or not self.own.reached):
+            return True
+        return self.since_draft + 1 >= (every or self.config.probe_every)
 
     def update(self, drafted: int, accepted: int) -> None:
         self.own.update(drafted, accepted)
         if self.shared is not None:
             self.shared.update(drafted, accepted)
         self.since_draft = 0 if drafted else self.since_draft + 1
+        self.last_hit = drafted > 0 and accepted >= drafted
 
 
 def choose_lengths(controllers: list[DraftLengthController], remaining: list[int], versions: list[str],
                    costs: CostModel) -> list[int]:
     """Adaptive k for each request of a batch (see the module docstring): one cap K for the
     batch maximising expected tokens per second; a request whose own best k is 0 drafts
-    nothing unless its probe is due. Before the target's cost is measured, k_max."""
+    nothing unless its probe is due, and one whose version is unproven drafts its probe only.
+    Before the target's cost is measured, probes only (that step measures it)."""
     n = len(controllers)
     caps = [min(c.config.k, max(r, 0)) for c, r in zip(controllers, remaining, strict=True)]
     curves = [c.expected_tokens(cap) for c, cap in zip(controllers, caps, strict=True)]
     version = versions[0] if len(set(versions)) == 1 else ""
     own, probing = [], False
     for c, curve, v in zip(controllers, curves, versions, strict=True):
-        best = _argmax_rate(curve, lambda k, v=v: costs.step_seconds(v, 1, k))
-        if best == 0 and len(curve) > 1 and c.wants_probe():
+        best = _argmax_rate(curve, lambda k, v=v: costs.step_seconds(v, 1, k)) if c.proven() else 0
+        if best == 0 and len(curve) > 1 and c.wants_probe(_probe_interval(c.config, costs, v)):
             best, probing = 1, True
         own.append(best)
     top = max(own, default=0)
@@ -249,9 +297,20 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
 
     rates = [(batch_rate(k), k) for k in range(top + 1)]
     if any(r is None for r, _ in rates):
-        return caps  # nothing measured yet: draft fully once, and learn the costs
+        return [min(k, 1) for k in own]  # the target's cost not measured yet: probes only
     k_cap = max(max(rates)[1], 1 if probing else 0)
     return [min(k, k_cap) for k in own]
+
+
+def _probe_interval(config: DraftLengthConfig, costs: CostModel, version: str) -> int:
+    """Steps between probes: probe_every, stretched until a probe's extra seconds over the steps
+    between probes are at most probe_budget of a step without drafting (at most 16 x probe_every).
+    Until the version's own draft cost is measured, probe_every: its first probe measures it."""
+    base, probe = costs.step_seconds(version, 1, 0), costs.step_seconds(version, 1, 1)
+    if version not in costs.draft or base is None or probe is None or base <= 0:
+        return config.probe_every
+    every = math.ceil((probe - base) / (config.probe_budget * base))
+    return min(max(config.probe_every, every), 16 * config.probe_every)
 
 
 def _argmax_rate(curve: list[float], seconds: object) -> int:
@@ -259,7 +318,7 @@ def _argmax_rate(curve: list[float], seconds: object) -> int:
     for k, tokens in enumerate(curve):
         s = seconds(k)  # type: ignore[operator]
         if s is None or s <= 0:
-            return len(curve) - 1
+            return 0  # not measured: bet on nothing
         if tokens / s > best_rate + 1e-12:
             best, best_rate = k, tokens / s
     return best

@@ -67,6 +67,7 @@ def test_k_shrinks_as_verification_gets_dearer():
     for n in (1, 4, 8, 16):
         gpu.record_verify(n, 1.0)
     gpu.record_verify(64, 4.0)
+    gpu.record_draft("v", 1, 0.02)  # an unmeasured draft is no longer free
     alone = choose_lengths(good[:1], [50], ["v"], gpu)[0]
     batched = choose_lengths(good, [50] * 8, ["v"] * 8, gpu)
     assert alone == 6 and max(batched) < alone and len(set(batched)) == 1
@@ -114,3 +115,96 @@ def test_engine_turns_drafting_off_and_back_on(stories):
     drafter.good = True
     good = run(prompts[2])
     assert max(good) == 6 and sum(good[-5:]) >= 20  # noticed by a probe, drafting fully again
+
+
+def test_a_new_version_bets_on_nothing():
+    costs, new = CostModel(), DraftLengthController(DraftLengthConfig(k=8, adaptive=True), AcceptanceCounts())
+    assert choose_lengths([new], [50], ["e0"], costs) == [1]  # was [8]: full k before anything was measured
+    new.update(1, 0)  # the probe missed
+    costs.record_verify(1, 1.0)
+    assert costs.step_seconds("e0", 1, 2) == pytest.approx(costs.verify(3) + 2.0)  # a target step per token
+    costs.record_draft("e-1", 2, 0.2)  # the version before a swap: its curve, not 0
+    assert costs.step_seconds("e0", 1, 2) == pytest.approx(costs.verify(3) + 0.2)
+    assert choose_lengths([new], [50], ["e0"], costs) == [0]  # unproven and missed: wait for the next probe
+    new.since_draft = new.config.probe_every - 1
+    assert choose_lengths([new], [50], ["e0"], costs) == [1]  # unproven: the probe, not k = 8
+
+
+def _serve(cfg, costs, accept, requests=4, tokens=64):
+    shared, ks = AcceptanceCounts(), []
+    for _ in range(requests):
+        c, done = DraftLengthController(cfg, shared), 0
+        while done < tokens:
+            k = choose_lengths([c], [tokens - done - 1], ["v"], costs)[0]
+            a = 0
+            while a < k and (len(ks) * 7 + a * 3) % 100 < accept * 100:
+                a += 1
+            c.update(k, a)
+            ks.append(k)
+            done += a + 1
+    return ks
+
+
+@pytest.mark.parametrize("draft_ratio", [0.1, 0.5, 1.0])  # eagle head, costly model drafter, dearer
+def test_an_always_wrong_drafter_switches_itself_off_within_bounded_steps(draft_ratio):
+    cfg, costs = DraftLengthConfig(k=8, adaptive=True), CostModel()
+    costs.record_verify(1, 1.0)
+    costs.record_verify(2, 1.05)
+    for k in _serve(cfg, costs, accept=0.0):  # what it would have measured
+        costs.record_draft("v", k, draft_ratio * k)
+    ks = _serve(cfg, costs, accept=0.0)
+    assert max(ks) <= 1 and sum(ks) <= len(ks) // cfg.probe_every + 1  # probes only, from step 1
+    # the probes' extra seconds: the budget, plus each request's first-step probe while unproven
+    assert sum(costs.step_seconds("v", 1, k) - 1.0 for k in ks) <= (cfg.probe_budget + 0.02) * len(ks)
+
+
+def test_a_good_new_version_earns_full_k_after_its_evidence():
+    cfg = DraftLengthConfig(k=8, adaptive=True)
+    ks = _serve(cfg, CostModel.synthetic(draft_ratio=0.05, verify_slope=0.05), accept=1.0, requests=2)
+    first = ks.index(1)  # the first probe; accepted probes chain until min_evidence
+    assert first < cfg.probe_every and max(ks[: first + cfg.min_evidence]) == 1
+    assert max(ks[first + cfg.min_evidence :]) == 8
+
+
+def test_untrained_eagle_head_switches_itself_off(stories, tmp_path):  # sketch: not run yet
+    from online.trainer.eagle import choose_draft_vocab, init_head, save_head
+    from runtime.drafters.factory import load_feature_drafter
+    from runtime.drafters.none import NoDrafter
+
+    save_head(init_head(stories, choose_draft_vocab(stories, 256)), tmp_path / "e0", {"version": "e0"})
+    engine = SpeculativeEngine.for_model(stories, load_feature_drafter(tmp_path / "e0", stories), EngineConfig(
+        draft=DraftLengthConfig(k=8, adaptive=True), measure_costs=False))
+    engine.costs = CostModel.synthetic(draft_ratio=0.1, verify_slope=0.05)  # deterministic
+    base, ks = SpeculativeEngine.for_model(stories, NoDrafter()), []
+    for p in ("Once upon a time", "The dog ran to", "Lily had a", "Tom saw a big"):
+        ids = stories.tokenizer(p).input_ids
+        res = engine.generate(ids, SamplingParams(max_new_tokens=48))
+        assert res.output_ids == base.generate(ids, SamplingParams(max_new_tokens=48)).output_ids
+        ks += [len(s.drafted) for s in res.trace.steps]
+    drafting = [i for i, k in enumerate(ks) if k]
+    assert all(ks[i] <= 1 for i in drafting[:16])  # unproven: probes only, no cold full-k bet
+    late = ks[len(ks) // 2 :]
+    assert sum(1 for k in late if k) <= len(late) // 4, ks  # off, bar probes (if its acceptance is low)
+
+
+def test_an_untrained_eagle_head_switches_itself_off_within_bounded_steps(stories, stories_eagle_init_dir):
+    """Do no harm's case (a), through the engine: an untrained head drafts and is nearly always
+    wrong. From a request's first step it never drafts more than a one-token probe (no cold-start
+    bet on k = 8), and once the version has its evidence it probes at most every probe_every steps."""
+    from runtime.drafters.factory import load_feature_drafter
+
+    cfg = DraftLengthConfig(k=8, adaptive=True)
+    engine = SpeculativeEngine.for_model(stories, load_feature_drafter(stories_eagle_init_dir, stories),
+                                         EngineConfig(draft=cfg, measure_costs=False))
+    engine.costs = CostModel.synthetic(draft_ratio=0.1, verify_slope=0.05)  # deterministic costs
+    prompts = [stories.tokenizer(p).input_ids for p in
+               ("Once upon a time", "The dog ran to", "Lily had a", "Tom saw a big", "One day, Sue", "Max and Zoe")]
+    ks = []
+    for p in prompts:
+        res = engine.generate(p, SamplingParams(max_new_tokens=48))
+        assert res.output_ids == hf_greedy(stories.model, p, 48)
+        ks += [len(s.drafted) for s in res.trace.steps]
+    assert max(ks) == 1, ks  # probes only, from the very first step
+    proven = cfg.min_evidence * cfg.probe_every  # steps by which the version has its evidence
+    late = ks[proven:]
+    assert len(late) >= 100 and sum(late) <= len(late) / cfg.probe_every + 1, ks

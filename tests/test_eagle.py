@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import runtime.verify as verify
 from online.replay import replay_traces
 from online.trainer.eagle import choose_draft_vocab, init_head, refresh_vocab, save_head
 from online.trainer.features import FeatureExtractor
+from online.workloads import code_edit, templated_json
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Draft, DraftRow
 from runtime.drafters.eagle import EagleHead, FeatureDrafter
@@ -41,9 +43,12 @@ def test_stories260k_greedy_is_lossless(stories, stories_eagle_dir, eagle_traffi
     drafter = build_drafter(DrafterConfig(kind="eagle", path=str(stories_eagle_dir)), stories)
     engine = SpeculativeEngine.for_model(stories, drafter, EngineConfig(draft=length))
     accepted = rejected = 0
-    for t in eagle_traffic[135:141]:
-        res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=MAX_NEW))
-        assert res.output_ids == hf_greedy(stories.model, t.prompt_ids, MAX_NEW)
+    # held-out story traffic (the head drafts it well), and code / JSON requests it never saw (it misses)
+    rng = random.Random(0)
+    unseen = [stories.tokenizer(p).input_ids for p in (code_edit(rng, 0)[0], templated_json(rng, 1)[0])]
+    for prompt in [t.prompt_ids for t in eagle_traffic[135:141]] + unseen:
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+        assert res.output_ids == hf_greedy(stories.model, prompt, MAX_NEW)
         accepted += res.stats.accepted
         rejected += res.stats.drafted - res.stats.accepted
     assert accepted > 20 and rejected > 0  # both verification paths exercised
