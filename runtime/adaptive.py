@@ -16,8 +16,8 @@ noticed. Probes are spaced further apart when they are dear: their extra seconds
 the steps between them, stay under `probe_budget` of a step that drafts nothing.
 
 Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
-all its requests) drafts only probes: at a request's first step, then back to back while they
-are accepted, else every `probe_every` steps; nothing is drafted
+all its requests) drafts only probes: one token at a request's first step, then back to back and
+twice as wide while they are fully accepted (a slow start), else every `probe_every` steps; nothing is drafted
 before the target's cost is measured; an unmeasured draft cost is the last measured version's,
 else one target step per token, never free. Costs carry across requests and swaps.
 
@@ -202,6 +202,7 @@ class DraftLengthController:
         self.shared = shared
         self.since_draft = 0  # steps since this request last drafted
         self.last_hit = False  # this request's last step drafted and every drafted token was accepted
+        self.last_drafted = 0  # tokens this request's last step drafted
 
     @property
     def min_confidence(self) -> float:
@@ -269,6 +270,12 @@ class DraftLengthController:
             self.shared.update(drafted, accepted)
         self.since_draft = 0 if drafted else self.since_draft + 1
         self.last_hit = drafted > 0 and accepted >= drafted
+        self.last_drafted = drafted
+
+    def probe_width(self, cap: int) -> int:
+        """An unproven version's probe: one token, doubled after each fully accepted probe (a slow
+        start: a good new version reaches full k in a few steps, a bad one never drafts past 1)."""
+        return max(1, min(cap, 2 * self.last_drafted if self.last_hit and not self.proven() else 1))
 
 
 def choose_lengths(controllers: list[DraftLengthController], remaining: list[int], versions: list[str],
@@ -281,11 +288,11 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
     caps = [min(c.config.k, max(r, 0)) for c, r in zip(controllers, remaining, strict=True)]
     curves = [c.expected_tokens(cap) for c, cap in zip(controllers, caps, strict=True)]
     version = versions[0] if len(set(versions)) == 1 else ""
-    own, probing = [], False
+    own, probing = [], 0  # probing: the widest probe due this step
     for c, curve, v in zip(controllers, curves, versions, strict=True):
         best = _argmax_rate(curve, lambda k, v=v: costs.step_seconds(v, 1, k)) if c.proven() else 0
         if best == 0 and len(curve) > 1 and c.wants_probe(_probe_interval(c.config, costs, v)):
-            best, probing = 1, True
+            best, probing = c.probe_width(len(curve) - 1), max(probing, c.probe_width(len(curve) - 1))
         own.append(best)
     top = max(own, default=0)
 
@@ -298,7 +305,7 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
     rates = [(batch_rate(k), k) for k in range(top + 1)]
     if any(r is None for r, _ in rates):
         return [min(k, 1) for k in own]  # the target's cost not measured yet: probes only
-    k_cap = max(max(rates)[1], 1 if probing else 0)
+    k_cap = max(max(rates)[1], probing)
     return [min(k, k_cap) for k in own]
 
 
