@@ -17,8 +17,8 @@ the steps between them, stay under `probe_budget` of a step that drafts nothing.
 
 Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
 all its requests) drafts only probes: one token at a request's first step, then back to back and
-twice as wide while they are fully accepted (a slow start), else every `probe_every` steps; nothing is drafted
-before the target's cost is measured; an unmeasured draft cost is the last measured version's,
+twice as wide while they are fully accepted (a slow start), else every `probe_every` steps;
+nothing is drafted before the target's cost is measured; an unmeasured draft cost is the last measured version's,
 else one target step per token, never free. Costs carry across requests and swaps.
 
 In a batch the widths are padded to the longest row, so the batch shares one
@@ -257,7 +257,7 @@ class DraftLengthController:
         return self.evidence() >= self.config.min_evidence
 
     def wants_probe(self, every: int | None = None) -> bool:
-        """A one-token probe is due: `every` (default probe_every) steps without drafting; for a
+        """A probe is due (`probe_width` tokens): `every` (default probe_every) steps without drafting; for a
         version still unproven also at a request's first step and at once after a probe was
         accepted (evidence, gathered while it pays)."""
         if not self.proven() and (self.last_hit or not self.own.reached):
@@ -292,7 +292,8 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
     for c, curve, v in zip(controllers, curves, versions, strict=True):
         best = _argmax_rate(curve, lambda k, v=v: costs.step_seconds(v, 1, k)) if c.proven() else 0
         if best == 0 and len(curve) > 1 and c.wants_probe(_probe_interval(c.config, costs, v)):
-            best, probing = c.probe_width(len(curve) - 1), max(probing, c.probe_width(len(curve) - 1))
+            best = c.probe_width(len(curve) - 1)
+            probing = max(probing, best)
         own.append(best)
     top = max(own, default=0)
 
