@@ -18,8 +18,8 @@ the steps between them, stay under `probe_budget` of a step that drafts nothing.
 Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
 all its requests) drafts only probes: one token at a request's first step, then back to back and
 twice as wide while they are fully accepted (a slow start), else every `probe_every` steps;
-nothing is drafted before the target's cost is measured; an unmeasured draft cost is the last measured version's,
-else one target step per token, never free. Costs carry across requests and swaps.
+nothing is drafted before the target's cost is measured; an unmeasured draft cost is the last
+measured version's, else one target step per token, never free. Costs carry across requests and swaps.
 
 In a batch the widths are padded to the longest row, so the batch shares one
 cap K, chosen the same way over the sum of the rows' expected tokens: as the batch
@@ -257,9 +257,9 @@ class DraftLengthController:
         return self.evidence() >= self.config.min_evidence
 
     def wants_probe(self, every: int | None = None) -> bool:
-        """A probe is due (`probe_width` tokens): `every` (default probe_every) steps without drafting; for a
-        version still unproven also at a request's first step and at once after a probe was
-        accepted (evidence, gathered while it pays)."""
+        """A probe is due (`probe_width` tokens): `every` (default probe_every) steps without
+        drafting; for a version still unproven also at a request's first step and at once after a
+        probe was accepted (evidence, gathered while it pays)."""
         if not self.proven() and (self.last_hit or not self.own.reached):
             return True
         return self.since_draft + 1 >= (every or self.config.probe_every)
