@@ -399,11 +399,14 @@ class SpeculativeEngine:
 
     def _propose(self, reqs: list[_Request], ks: list[int]) -> list[Draft]:
         """One `propose` per drafter over its rows (requests pinned to different versions draft
-        with their own)."""
-        drafts: list[Draft | None] = [None] * len(reqs)
+        with their own), over the rows that may draft this step: a row with k = 0 is not passed,
+        and its features wait on the request for the next call (the adaptive rule switches
+        drafting off this way, so a drafter that does not pay costs nothing)."""
+        drafts = [Draft([], "none") for _ in reqs]
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
-            groups.setdefault(id(r.drafter), []).append(i)
+            if ks[i] > 0:
+                groups.setdefault(id(r.drafter), []).append(i)
         for idxs in groups.values():
             drafter = reqs[idxs[0]].drafter
             rows = [self._draft_row(reqs[i], ks[i]) for i in idxs]
@@ -413,7 +416,7 @@ class SpeculativeEngine:
                     raise RuntimeError(f"drafter {drafter!r} proposed {len(d.tokens)} tokens, more than "
                                        f"max_tokens={row.max_tokens}")
                 drafts[i] = d
-        return drafts  # type: ignore[return-value]
+        return drafts
 
     def _draft_row(self, req: _Request, k: int) -> DraftRow:
         p = req.params

@@ -52,8 +52,10 @@ class DraftRow:
 class Drafter(Protocol):
     """Proposes tokens for a batch of requests, each keyed by `req_id`.
 
-    Per request: `begin`, then one `propose` per decoding step (every step, also
-    those that draft nothing), then `end`. `propose` must not mutate a row's
+    Per request: `begin`, then `propose` on the steps that ask it for tokens, then
+    `end`. The engine skips a row on a step that drafts nothing, so `propose`
+    catches up on the context (and features) of the steps it did not see; it
+    still accepts max_tokens = 0. `propose` must not mutate a row's
     context and returns one Draft per row, in order, of at most `max_tokens`
     tokens; it stops early once its top probability at the next position falls
     under `min_confidence` (SpecDec++-style), the first token always proposed when
