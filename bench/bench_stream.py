@@ -32,10 +32,10 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from devkit.kafka_broker import KafkaBroker  # noqa: E402
+from devkit.stream_helpers import start_collector, store_count, write_config  # noqa: E402
+from devkit.synthetic import synthetic_trace  # noqa: E402
 from online.store import Store  # noqa: E402
-from online.synthetic import synthetic_trace  # noqa: E402
-from tests.kafka_broker import KafkaBroker  # noqa: E402
-from tests.stream_helpers import start_collector, store_count, write_config  # noqa: E402
 
 
 def make_traces(n: int, seed: int) -> list:

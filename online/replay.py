@@ -98,26 +98,32 @@ def replay_traces(
         raise ValueError(f"drafter {drafter.version} reads the target's hidden states: replay it with a "
                          "target (--target), which recomputes them teacher-forced")
     vocab = vocab_size or getattr(drafter, "target_vocab_size", None) or _max_id(greedy) + 1
-    target = ReplayTarget(vocab)
-    engine = SpeculativeEngine(target, drafter, eos_ids=set(), max_context=10**9,
+    starting: dict[str, RequestTrace] = {}  # the request the engine starts next, by id
+
+    def request(request_id: str) -> tuple[RequestTrace, torch.Tensor | None]:
+        t = starting.pop(request_id)
+        return t, features(t) if drafter.uses_features else None
+
+    engine = SpeculativeEngine(ReplayTarget(vocab, request), drafter, eos_ids=set(), max_context=10**9,
                                config=EngineConfig(draft=length or DraftLengthConfig(), topk_logprobs=0,
-                                                   measure_costs=False))
+                                                   measure_costs=False, reuse_prefix=False))
     engine.costs = CostModel.synthetic(cost_ratio, verify_slope)
     report = ReplayReport(drafter.version, RequestStats(requests=0),
                           skipped_sampled=len(traces) - len(greedy), cost_ratio=cost_ratio)
     for t in greedy:
         if t.output_ids and t.prompt_ids:
-            target.load(t, features(t) if drafter.uses_features else None)
-            _replay_one(engine, t, report, keep_traces)
+            rid = t.request_id or f"replay-{id(t)}"
+            starting[rid] = t
+            _replay_one(engine, t, rid, report, keep_traces)
         if after_each is not None:
             after_each(t)
     return report
 
 
-def _replay_one(engine: SpeculativeEngine, t: RequestTrace, report: ReplayReport, keep: bool) -> None:
+def _replay_one(engine: SpeculativeEngine, t: RequestTrace, rid: str, report: ReplayReport, keep: bool) -> None:
     # A request that stopped did so on its last token, which appears nowhere earlier.
     engine.eos_ids = {t.output_ids[-1]} if t.finish_reason == "stop" else set()
-    res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=t.request_id,
+    res = engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=_max_new(t)), request_id=rid,
                           tag=t.tag, on_tokens=_until_logged_end(t) if t.finish_reason == STOP_STRING else None)
     report.outputs_match &= res.output_ids == t.output_ids
     if keep:

@@ -138,7 +138,7 @@ class SpeculativeEngine:
         # free row -> (tokens its KV cache holds, their target features or None): left by the
         # request that last ran there, for the next one to reuse (EngineConfig.reuse_prefix)
         self._row_cache: dict[int, tuple[list[int], torch.Tensor | None]] = {}
-        self._reuse = self.config.reuse_prefix and getattr(target, "cached", None) is not None
+        self._reuse = self.config.reuse_prefix
         self.prompt_tokens = 0  # prompt tokens of admitted requests
         self.reused_prompt_tokens = 0  # of which came from a row's cache, not a forward
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
@@ -186,7 +186,7 @@ class SpeculativeEngine:
         drafter = self.slot.get() if speculate else _TARGET_ONLY
         shared = self._acceptance.setdefault(drafter.version, AcceptanceCounts())
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
-                       DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self._device())
+                       DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self.target.device)
         req.log_features = self._reuse and drafter.uses_features
         req.drafter.begin(req.id, req.prompt, tag=tag)
         self._waiting.append(req)
@@ -329,7 +329,7 @@ class SpeculativeEngine:
             if req.drafter.uses_features:
                 req.add_features(feats[:keep])
         else:
-            self.target.reset(best)
+            self.target.reset(best, req.id)
         self.prompt_tokens += len(req.prompt)
         self.reused_prompt_tokens += keep
         req.stats.reused_prompt_tokens = keep
@@ -462,7 +462,7 @@ class SpeculativeEngine:
         finally:
             if req.row >= 0:
                 if output is not None and self._reuse:
-                    n = min(self.target.cached(req.row), len(req.context))  # type: ignore[attr-defined]
+                    n = min(self.target.cached(req.row), len(req.context))
                     feats = req.feature_log(n) if req.drafter.uses_features else None
                     self._row_cache[req.row] = (req.context[:n], feats)
                 self._free_rows.append(req.row)
@@ -484,9 +484,6 @@ class SpeculativeEngine:
                 log.exception("drafter end failed for abandoned request %s", req.id)
         return [r.id for r in reqs]
 
-    def _device(self) -> torch.device:
-        model = getattr(self.target, "model", None)
-        return model.device if model is not None else torch.device("cpu")
 
     def _trace(self, req: _Request) -> RequestTrace:
         s = req.stats

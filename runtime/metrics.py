@@ -26,6 +26,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from runtime.sinks import EventSink
 from runtime.stats import RequestStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -47,7 +48,7 @@ class ServerMetrics:
         *,
         version: Callable[[], str],
         swapper_status: Callable[[], dict[str, Any] | None] = lambda: None,
-        sink: object | None = None,
+        sink: EventSink | None = None,
         queue_depth: Callable[[], int] = lambda: 0,
         running: Callable[[], int] = lambda: 0,
         dead_letters: Callable[[], int] | None = None,
@@ -94,7 +95,8 @@ class ServerMetrics:
         for attr, doc in (("emitted", "Trace events handed to the sink (one per finished request)."),
                           ("dropped", "Trace events lost because the sink's queue was full (or still queued at close)."),
                           ("failed", "Trace events the sink's transport failed to write.")):
-            yield CounterMetricFamily(f"livedraft_events_{attr}", doc, value=int(getattr(self._sink, attr, 0) or 0))
+            yield CounterMetricFamily(f"livedraft_events_{attr}", doc,
+                                      value=getattr(self._sink, attr) if self._sink is not None else 0)
         if self._dead_letters is not None:
             yield CounterMetricFamily("livedraft_events_dead_lettered",
                                       "Stream records this process's collector could not decode (kept as dead letters).",

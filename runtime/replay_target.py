@@ -7,8 +7,8 @@ target. Rows at positions with logged soft labels carry the renormalised
 top-k distribution (so alpha has a target distribution to compare q with);
 elsewhere a row is one-hot on the logged token.
 
-A feature drafter (EAGLE-3) also needs the target's hidden states: `load` takes
-them, recomputed teacher-forced over prompt + output in one target forward
+A feature drafter (EAGLE-3) also needs the target's hidden states: they come with
+the trace, recomputed teacher-forced over prompt + output in one target forward
 (features at a position depend only on the tokens up to it, so they are what the
 live target computed for every accepted position; rows at rejected draft tokens
 differ, and the engine never passes those on).
@@ -16,7 +16,7 @@ differ, and the engine never passes those on).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,16 +35,22 @@ class _Loaded:
 
 
 class ReplayTarget:
-    """`load(trace)` names the request the next `reset(row)` starts (replay runs one request at a time)."""
+    """Replays the logged request the engine starts on a row: `reset(row, request_id)` asks
+    `requests(request_id)` for its trace and, for a feature drafter, the target's features
+    [len(prompt + output), F] (None otherwise). Serves one engine without prefix reuse (each
+    request starts from `reset`)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    device = torch.device("cpu")
+
+    def __init__(self, vocab_size: int,
+                 requests: Callable[[str], tuple[RequestTrace, torch.Tensor | None]]) -> None:
         self.vocab_size = vocab_size
         self.feature_size = 0  # the width of the last features loaded
-        self._next: _Loaded | None = None
+        self._requests = requests
         self._rows: dict[int, _Loaded] = {}
 
-    def load(self, trace: RequestTrace, features: torch.Tensor | None = None) -> None:
-        """Sets the request the next reset row replays; `features` [len(prompt + output), F]."""
+    def reset(self, row: int, request_id: str = "") -> None:
+        trace, features = self._requests(request_id)
         full = list(trace.prompt_ids) + list(trace.output_ids)
         if features is not None:
             if features.shape[0] != len(full):
@@ -55,12 +61,10 @@ class ReplayTarget:
             if s.topk_ids:
                 # The soft labels describe the output position right after the accepted prefix.
                 st.soft[st.prompt_len + s.pos + s.accepted] = (s.topk_ids, s.topk_logprobs or [])
-        self._next = st
+        self._rows[row] = st
 
-    def reset(self, row: int) -> None:
-        if self._next is None:
-            raise ValueError("ReplayTarget: load a trace before starting a request")
-        self._rows[row], self._next = self._next, None
+    def cached(self, row: int) -> int:
+        return self._rows[row].cached
 
     def rollback(self, row: int, length: int) -> None:
         st = self._rows[row]
@@ -74,7 +78,7 @@ class ReplayTarget:
             st = self._rows[row]
             start = st.cached
             if start < st.prompt_len and list(x[: st.prompt_len - start]) != st.full[start : st.prompt_len]:
-                raise ValueError("ReplayTarget: the prompt fed differs from the loaded trace")
+                raise ValueError("ReplayTarget: the prompt fed differs from the request's trace")
             st.cached += len(x)
             lg = self._rows_logits(st, start + 1, len(x))  # position start + i + 1 follows fed token i
             out.append(row_logits(lg, logits, len(out), width))

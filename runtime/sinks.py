@@ -25,7 +25,13 @@ class EventSink(Protocol):
     `timeout_s` until everything emitted so far is durable in the transport (the
     embedded stream committed it, the Kafka broker acknowledged it) and returns
     True when all of it is; False on a timeout or a failed delivery (counted).
+    Its counters (read by /metrics) are `emitted` (events handed to it), `dropped`
+    (lost to a full queue) and `failed` (the transport's write failed).
     """
+
+    emitted: int
+    dropped: int
+    failed: int
 
     def emit(self, event: RequestTrace) -> None: ...
 
@@ -37,12 +43,13 @@ class MemorySink:
 
     def __init__(self) -> None:
         self.events: list[RequestTrace] = []
-        self.dropped = 0
+        self.emitted = self.dropped = self.failed = 0
         self._lock = threading.Lock()
 
     def emit(self, event: RequestTrace) -> None:
         with self._lock:
             self.events.append(event)
+            self.emitted += 1
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         return True

@@ -69,6 +69,7 @@ class Target(Protocol):
 
     vocab_size: int
     feature_size: int  # width of a features row (EAGLE-3: 3 x hidden); 0 = cannot provide them
+    device: torch.device  # where its logits and features are
 
     def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
@@ -77,12 +78,17 @@ class Target(Protocol):
         row b's last n_b positions first (how the engine fuses prefill chunks into a verify step)."""
         ...
 
-    def reset(self, row: int) -> None:
-        """Empties `row` (a new request starts there)."""
+    def reset(self, row: int, request_id: str = "") -> None:
+        """Empties `row`: request `request_id` starts there (a target that replays logged
+        requests reads which one; a model ignores it)."""
         ...
 
     def rollback(self, row: int, length: int) -> None:
         """Keeps only the first `length` cached positions of `row`."""
+        ...
+
+    def cached(self, row: int) -> int:
+        """Positions cached in `row` (what a next request sharing its prefix can keep)."""
         ...
 
 
@@ -108,13 +114,17 @@ class LlamaTarget:
         self.feature_size = self.runner.feature_size
         self.cache = self.runner.new_cache(slots)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
         self.cache.add_slots(max(rows) + 1)
         out = self.runner.forward(self.cache, rows, ids, logits=logits, features=features)
         return Forward(out.logits, out.features)
 
-    def reset(self, row: int) -> None:
+    def reset(self, row: int, request_id: str = "") -> None:
         self.cache.add_slots(row + 1)
         self.cache.lengths[row] = 0
 
@@ -138,6 +148,10 @@ class HFTarget:
         self.feature_size = len(self.feature_layers) * int(model.config.hidden_size)
         self.caches: dict[int, DynamicCache] = {}
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def forward(self, rows: Sequence[int], ids: Sequence[Sequence[int]], *, logits: Logits = "all",
                 features: bool = False) -> Forward:
         if not ids or min(len(x) for x in ids) < 1:
@@ -154,7 +168,7 @@ class HFTarget:
                 feats.append(pad_rows(torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1), width))
         return Forward(torch.stack(outs), torch.stack(feats) if features else None)
 
-    def reset(self, row: int) -> None:
+    def reset(self, row: int, request_id: str = "") -> None:
         self.caches[row] = DynamicCache(config=self.model.config)
 
     def rollback(self, row: int, length: int) -> None:

@@ -6,11 +6,12 @@ the first rejection resample from norm(max(0, p - q)); if every token is
 accepted, sample a bonus token from p. The output distribution is the
 target's. Drafts without probabilities count as one-hot q.
 
-`verify_batch` applies the same rules to a ragged batch at once, as vLLM's
-rejection sampler does: one argmax over all greedy rows, one warp and one
-gather of p(x) and q(x) over all sampled rows; only the random draws are per
-row, each from that request's own generator in the same order as `verify_sampling`
-draws them, so a seeded request verifies the same alone or in any batch.
+`verify_batch` applies them to a ragged batch at once, as vLLM's rejection
+sampler does: one argmax over all greedy rows, one warp and one gather of p(x)
+and q(x) over all sampled rows; only the random draws are per row, each from
+that request's own generator in a fixed order (k uniforms, then the one
+resampled or bonus token), so a seeded request verifies the same alone or in
+any batch.
 """
 
 from __future__ import annotations
@@ -42,38 +43,6 @@ def warp(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float |
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> Verdict:
-    """target_logits [len(draft)+1, V]: row i predicts the token at draft position i."""
-    best = target_logits.argmax(dim=-1).tolist()
-    n = 0
-    while n < len(draft) and draft[n] == best[n]:
-        n += 1
-    return Verdict(n, best[n])
-
-
-def verify_sampling(
-    draft: list[int],
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> Verdict:
-    """draft_probs [len(draft), V] or None (one-hot); target_probs [len(draft)+1, V]."""
-    k = len(draft)
-    if k:
-        dev = target_probs.device
-        idx = torch.tensor(draft, device=dev)
-        rows = torch.arange(k, device=dev)
-        p_x = target_probs[rows, idx]  # [k]
-        q_x = draft_probs[rows, idx] if draft_probs is not None else torch.ones(k, device=dev)
-        u = torch.rand(k, generator=generator, device=dev)
-        # u < p/q written without the division: q(x) = 0 never accepts by accident.
-        ok = (u * q_x < p_x).tolist()
-        for i in range(k):
-            if not ok[i]:
-                return Verdict(i, _residual_sample(target_probs[i], draft_probs, i, draft[i], generator))
-    return Verdict(k, _sample(target_probs[k], generator))
 
 
 def _residual_sample(
@@ -155,7 +124,7 @@ def _accept_sampled(rows: Sequence[VerifyRow], probs: torch.Tensor) -> list[int]
     """Accepted prefix length per sampled row: token i is accepted when u_i * q(x_i) < p(x_i)
     (written without the division: q = 0 never accepts by accident). p(x) and q(x) are gathered
     for the whole batch at once; the uniforms are drawn per row from its own generator, k of
-    them, exactly as `verify_sampling` draws them. probs [Bs, T, V]."""
+    them, before the row's resampled or bonus token. probs [Bs, T, V]."""
     dev, n = probs.device, max((len(r.draft) for r in rows), default=0)
     if n == 0:
         return [0] * len(rows)

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def kafka_broker():
     """A running tansu Kafka-protocol broker (memory storage) on a free port; killed by PID after."""
-    from tests.kafka_broker import BrokerUnavailable, KafkaBroker
+    from devkit.kafka_broker import BrokerUnavailable, KafkaBroker
 
     broker = KafkaBroker()
     try:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from devkit.synthetic import synthetic_trace
 from online.cache import snapshot_paths
 from online.config import Config, DaemonConfig
 from online.store import Store
 from online.stream.sql import SqlSink
-from online.synthetic import synthetic_trace
 from tests.polling import wait_for
 
 

@@ -15,7 +15,6 @@ import runtime.verify as verify
 from online.replay import replay_traces
 from online.trainer.eagle import choose_draft_vocab, init_head, refresh_vocab, save_head
 from online.trainer.features import FeatureExtractor
-from online.workloads import code_edit, templated_json
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Draft, DraftRow
 from runtime.drafters.eagle import EagleHead, FeatureDrafter
@@ -28,6 +27,7 @@ from runtime.trace import RequestTrace
 from tests.models import loaded, tiny_llama
 from tests.serving_utils import hf_greedy
 from tests.test_lossless_sampling import broken_residual, chi2, chi2_critical
+from tests.workloads import code_edit, templated_json
 
 MAX_NEW = 40
 

@@ -9,6 +9,7 @@ import random
 import msgpack
 import pytest
 
+from devkit.synthetic import synthetic_trace
 from online.events import (
     EventDecodeError,
     decode_trace,
@@ -18,7 +19,6 @@ from online.events import (
     trace_to_json,
     trace_to_obj,
 )
-from online.synthetic import synthetic_trace
 from runtime.trace import SCHEMA_VERSION, RequestTrace, StepRecord
 
 

@@ -416,10 +416,10 @@ def test_same_file_as_llama_cpps_converter(llama_cpp, pair, dtype, outtype, requ
 def test_llama_server_drafts_with_the_head_exactly_as_livedraft(llama_cpp, bpe, tmp_path):
     """The exported head in the real llama-server beside the target's converted GGUF: the same greedy
     tokens and the same drafted / accepted counts as livedraft's engine (F32 head, k = 4)."""
+    from devkit.kafka_broker import free_port
     from runtime.drafters.factory import load_feature_drafter
     from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
     from runtime.loader import load_model
-    from tests.kafka_broker import free_port
     from tests.polling import wait_for
 
     # a source tree's own build, or `livedraft engine install`'s layout (bin/ beside the converter)

@@ -9,12 +9,6 @@ import random
 import pytest
 
 from online.replay import replay_traces
-from online.workloads import (
-    HFPromptLookupDrafter,
-    open_ended,
-    repetitive_pairs,
-    traces_from_pairs,
-)
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import DrafterConfig, build_drafter, load_model_drafter
 from runtime.drafters.hybrid import HybridDrafter
@@ -25,6 +19,12 @@ from runtime.drafters.suffix_tree import SuffixCache, SuffixConfig
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.trace import RequestTrace
 from tests.serving_utils import hf_greedy
+from tests.workloads import (
+    HFPromptLookupDrafter,
+    open_ended,
+    repetitive_pairs,
+    traces_from_pairs,
+)
 
 PROMPTS = [
     "Once upon a time, there was a dog named",

@@ -31,8 +31,8 @@ def checking(base: type):
             self.checked_after_rejection = 0
             self._rejected: dict[int, bool] = {}
 
-        def reset(self, row):
-            super().reset(row)
+        def reset(self, row, request_id=""):
+            super().reset(row, request_id)
             self.ids[row] = []
 
         def forward(self, rows, ids, *, logits="all", features=False):

@@ -20,7 +20,7 @@ from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.model import ModelDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.target import HFTarget
-from runtime.verify import verify_sampling, warp
+from runtime.verify import VerifyRow, verify_batch, warp
 from tests.models import loaded, tiny_llama
 
 Z_999 = 3.0902  # one-sided normal quantile for p = 0.001
@@ -55,6 +55,7 @@ def broken_residual(p, draft_probs, i, token, generator):
 
 P = torch.tensor([0.05, 0.40, 0.30, 0.15, 0.10, 0.0])
 Q = torch.tensor([0.50, 0.05, 0.05, 0.30, 0.05, 0.05])
+LOGITS = torch.stack([P, P]).log()[None]  # one row: at temperature 1 its probabilities are P
 
 
 def first_token_counts(n: int, one_hot: bool) -> dict:
@@ -63,7 +64,7 @@ def first_token_counts(n: int, one_hot: bool) -> dict:
     for _ in range(n):
         x = 3 if one_hot else int(torch.multinomial(Q, 1, generator=g))
         q = None if one_hot else Q[None]
-        v = verify_sampling([x], q, torch.stack([P, P]), g)
+        v = verify_batch(LOGITS, [VerifyRow([x], q, 1.0, 1.0, g)]).verdicts[0]
         tok = x if v.accepted == 1 else v.next_token
         counts[(tok,)] = counts.get((tok,), 0) + 1
     return counts

@@ -148,7 +148,7 @@ def test_clear_errors(traffic, capsys, argv, message):
 
 
 def test_empty_store_and_all_sampled_traffic_are_clear_errors(tmp_path, capsys):
-    from online.synthetic import synthetic_trace
+    from devkit.synthetic import synthetic_trace
 
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     Store.open(url).close()

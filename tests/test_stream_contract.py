@@ -16,9 +16,9 @@ import uuid
 import msgpack
 import pytest
 
+from devkit.synthetic import synthetic_trace
 from online.events import EventDecodeError, decode_trace
 from online.stream import Record
-from online.synthetic import synthetic_trace
 
 # --- one harness per transport ---------------------------------------------------------
 
@@ -85,8 +85,8 @@ class KafkaHarness:
         self._raw.send(self.topic, value=payload, key=key.encode()).get(timeout=10)
 
     def down_sink(self):
+        from devkit.kafka_broker import free_port
         from online.stream.kafka import KafkaSink
-        from tests.kafka_broker import free_port
 
         # A port nothing listens on: the worker cannot connect, emit must not notice.
         return KafkaSink(f"127.0.0.1:{free_port()}", self.topic, queue_size=20, connect_timeout_s=2.0)
@@ -325,9 +325,9 @@ def test_kafka_collector_sigkill_restart_stores_every_event_once(kafka_broker, t
     """The Kafka variant of tests/test_collector.py's crash test: every event exactly once."""
     from kafka import KafkaProducer
 
+    from devkit.stream_helpers import collector_kill_restart, write_config
     from online.events import encode_trace
     from online.stream.kafka import ensure_topic
-    from tests.stream_helpers import collector_kill_restart, write_config
 
     topic = f"crash-{uuid.uuid4().hex[:10]}"
     rng = random.Random(7)
@@ -364,8 +364,8 @@ def test_ensure_topic_creates_once(kafka_broker):
 
 
 def test_kafka_sink_counts_delivery_failures_when_the_broker_dies(caplog):
+    from devkit.kafka_broker import BrokerUnavailable, KafkaBroker
     from online.stream.kafka import KafkaSink
-    from tests.kafka_broker import BrokerUnavailable, KafkaBroker
 
     broker = KafkaBroker()
     try:
@@ -390,8 +390,8 @@ def test_kafka_sink_counts_delivery_failures_when_the_broker_dies(caplog):
 
 
 def test_kafka_source_without_a_broker_is_a_clear_error():
+    from devkit.kafka_broker import free_port
     from online.stream.kafka import KafkaSource, StreamUnavailableError
-    from tests.kafka_broker import free_port
 
     port = free_port()
     with pytest.raises(StreamUnavailableError, match=f"cannot reach Kafka at 127.0.0.1:{port}.*bootstrap_servers"):

@@ -10,10 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from devkit.kafka_broker import free_port
 from online.cli import main
 from online.prompts import DOMAINS, prompts_for
 from online.traffic import TrafficReport, chat_wrap, run_traffic
-from tests.kafka_broker import free_port
 
 
 def test_domain_pools_are_large_distinct_and_deterministic():

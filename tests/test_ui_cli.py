@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 
-from tests.kafka_broker import free_port
+from devkit.kafka_broker import free_port
 
 
 def test_ui_serves_the_registry_and_stops_on_sigterm(tmp_path):

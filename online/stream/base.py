@@ -52,6 +52,12 @@ class EventSource(Protocol):
 
 
 class EventSinkCloseable(Protocol):
+    """An EventSink (runtime/sinks.py) a transport opened, with its counters, that must be closed."""
+
+    emitted: int
+    dropped: int
+    failed: int
+
     def emit(self, event: object) -> None: ...
 
     def flush(self, timeout_s: float = 10.0) -> None: ...

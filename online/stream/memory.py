@@ -56,7 +56,7 @@ class MemoryStream:
 class MemorySinkAdapter:
     def __init__(self, stream: MemoryStream) -> None:
         self.stream = stream
-        self.emitted = 0
+        self.emitted = self.dropped = self.failed = 0  # appended synchronously: nothing is lost
 
     def emit(self, event: RequestTrace) -> None:
         self.stream.append(encode_trace(event), event.request_id)

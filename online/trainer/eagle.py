@@ -366,10 +366,6 @@ def _batches(examples: list[EagleExample], size: int, seed: int) -> Iterator[lis
             yield [examples[k] for k in batches[i]]
 
 
-def extractor_for(target: LoadedModel, head: EagleHead) -> FeatureExtractor:
-    return FeatureExtractor(target, head.config.aux_layers)
-
-
 # -- one distillation run (a trainer round's candidate) -----------------------------------------
 
 
