@@ -24,7 +24,7 @@ from online.serving import start_serving
 from online.traffic import complete
 from runtime.drafters.factory import DrafterConfig, build_drafter
 from runtime.drafters.none import NoDrafter
-from runtime.engine import SamplingParams, SpeculativeEngine
+from runtime.engine import SamplingParams, SpeculativeEngine, StepFacts
 from runtime.loader import load_model
 
 
@@ -78,12 +78,15 @@ def main() -> None:
     print(f"solo outputs of {len(prompts)} prompts computed", flush=True)
     results = []
     handles = {}
+    k_rows = KByRows()
     for mode, batch in (("serial", 1), ("batched", args.max_batch)):
         cfg = Config()
         cfg.serve.port, cfg.serve.max_batch, cfg.serve.adaptive, cfg.serve.k = 0, batch, args.adaptive, args.k
         cfg.serve.max_queue, cfg.serve.max_queue_per_client = 256, 64
         drafter = build_drafter(DrafterConfig(kind=args.drafter_kind, path=args.drafter), target)
         handles[mode] = start_serving(cfg, target=target, initial_drafter=drafter)
+        if mode == "batched":
+            handles[mode].engine.step_observers.append(k_rows)
         complete(handles[mode].url, prompts[0], max_tokens=8)  # warm-up (and the adaptive cost model)
     try:
         for clients in levels:
@@ -108,25 +111,41 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for c in levels:
         s, b = by[(c, "serial")], by[(c, "batched")]
-        print(f"| {c} | {s['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | {b['tokens_per_s'] / s['tokens_per_s']:.2f} | "
+        print(f"| {c} | {s['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+              f"{b['tokens_per_s'] / s['tokens_per_s']:.2f} | "
               f"{s['p50_s']:.2f} / {s['p99_s']:.2f} | {b['p50_s']:.2f} / {b['p99_s']:.2f} | "
               f"{s['outputs_equal_solo'] and b['outputs_equal_solo']} |")
-    rule = batch_k_rule(handles["batched"].engine)
+    rule = batch_k_rule(handles["batched"].engine, k_rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "rows": results, "batch_k_rule": rule}, indent=2))
 
 
-def batch_k_rule(engine: SpeculativeEngine) -> list[dict]:
+class KByRows:
+    """An engine step observer: rows in a decode step -> [steps, sum of each step's widest draft,
+    tokens yielded], what the batch-level k rule chose at each batch size."""
+
+    def __init__(self) -> None:
+        self.by: dict[int, list[int]] = {}
+
+    def __call__(self, step: StepFacts) -> None:
+        rec = self.by.setdefault(len(step.reqs), [0, 0, 0])
+        rec[0] += 1
+        rec[1] += max(step.ks, default=0)
+        rec[2] += sum(len(g) for g in step.gained)
+
+
+def batch_k_rule(engine: SpeculativeEngine, k_rows: KByRows) -> list[dict]:
     """What the batched engine did at each batch size over the whole run: decode steps, the mean of
     each step's widest draft (with --adaptive: the cap the cost-aware rule chose), tokens per row per
     step, and the measured seconds of a target forward feeding rows x (k + 1) tokens for k = 0 and k = 4.
     Printed as a table."""
     rows = []
-    for n, (steps, k_sum, tokens) in sorted(engine.k_by_rows.items()):
+    for n, (steps, k_sum, tokens) in sorted(k_rows.by.items()):
         v1, v5 = engine.costs.verify(n), engine.costs.verify(n * 5)
         rows.append({"rows": n, "steps": steps, "mean_k": round(k_sum / steps, 2),
                      "tokens_per_row_step": round(tokens / (steps * n), 2),
-                     "verify_ms_k0": round(1e3 * v1, 1) if v1 else None, "verify_ms_k4": round(1e3 * v5, 1) if v5 else None})
+                     "verify_ms_k0": round(1e3 * v1, 1) if v1 else None,
+                     "verify_ms_k4": round(1e3 * v5, 1) if v5 else None})
     print("\n| rows in step | steps | mean k | tokens / row / step | target forward ms, k = 0 | k = 4 |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -47,7 +47,7 @@ from runtime.slot import DrafterSlot
 from runtime.stats import RequestStats
 from runtime.target import Forward, Target, make_target
 from runtime.trace import RequestTrace, StepRecord, Timings
-from runtime.verify import VerifyRow, verify_batch, warp
+from runtime.verify import BatchVerdict, Verdict, VerifyRow, verify_batch, warp
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,8 @@ class SpeculativeEngine:
         self.reused_prompt_tokens = 0  # of which came from a row's cache, not a forward
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
         self._acceptance: dict[str, AcceptanceCounts] = {}  # per drafter version, over all its requests
-        # rows in a decode step -> [steps, sum of the step's widest draft, tokens yielded]: what the
-        # batch-level k rule chose at each batch size (bench_serving reports it)
-        self.k_by_rows: dict[int, list[int]] = {}
+        # called with each verify step's facts after the engine recorded them (a bench's counters)
+        self.step_observers: list[Callable[[StepFacts], None]] = []
 
     @classmethod
     def for_model(
@@ -283,7 +282,12 @@ class SpeculativeEngine:
                                   features=any(r.drafter.uses_features for r in (*live, *(r for r, _ in pre))))
         t2 = time.perf_counter()
         if live:
-            self._verify(live, ks, drafts, fwd, (t0, t1), clean=not pre)
+            positions = [len(r.output) for r in live]
+            checked = self._verify(live, drafts, fwd)
+            t3 = time.perf_counter()
+            gained = self._advance(live, drafts, fwd, checked.verdicts)
+            self._record(StepFacts(live, ks, drafts, fwd, checked, positions, gained, t1 - t0, t3 - t1,
+                                    time.perf_counter() - t1, clean=not pre))
         for b, (req, chunk) in enumerate(pre, start=len(live)):
             req.prefilled += len(chunk)
             req.stats.prefill_s += t2 - t1
@@ -334,48 +338,57 @@ class SpeculativeEngine:
         self.reused_prompt_tokens += keep
         req.stats.reused_prompt_tokens = keep
 
-    def _verify(self, reqs: list[_Request], ks: list[int], drafts: list[Draft], fwd: Forward,
-                times: tuple[float, float], *, clean: bool) -> None:
-        """Accepts each running row's verified draft (rows 0..len(reqs)-1 of `fwd`). `clean`: the
-        forward fed these rows only (no prompt chunk), so its time is a verify cost sample."""
-        t0, t1 = times
-        rec = self.k_by_rows.setdefault(len(reqs), [0, 0, 0])
-        rec[0] += 1
-        rec[1] += max(ks, default=0)
+    def _verify(self, reqs: list[_Request], drafts: list[Draft], fwd: Forward) -> BatchVerdict:
+        """Verifies each running row's draft (rows 0..len(reqs)-1 of `fwd`) and crops its target
+        cache to the accepted prefix."""
         width = max(len(d.tokens) for d in drafts) + 1
         rows = [VerifyRow(d.tokens, d.probs, r.params.temperature, r.params.top_p, r.generator)
                 for r, d in zip(reqs, drafts, strict=True)]
         checked = verify_batch(fwd.logits[: len(reqs), :width], rows, with_probs=self.config.measure_alpha)
-        t2 = time.perf_counter()
+        for req, verdict in zip(reqs, checked.verdicts, strict=True):
+            self.target.rollback(req.row, len(req.context) + verdict.accepted)
+        return checked
+
+    def _advance(self, reqs: list[_Request], drafts: list[Draft], fwd: Forward,
+                 verdicts: list[Verdict]) -> list[list[int]]:
+        """Each request takes its accepted prefix and the next token (with the target features of
+        those positions for a feature drafter); returns the tokens each request gained."""
+        gained = []
+        for b, (req, draft, verdict) in enumerate(zip(reqs, drafts, verdicts, strict=True)):
+            if req.drafter.uses_features:
+                req.add_features(fwd.features[b, : verdict.accepted + 1])
+            gained.append(self._accept_tokens(req, draft.tokens[: verdict.accepted] + [verdict.next_token]))
+            req.length.update(len(draft.tokens), verdict.accepted)
+        return gained
+
+    def _record(self, step: StepFacts) -> None:
+        """A verify step's facts into each request's stats and trace, and the cost model's samples."""
+        reqs, drafts, checked = step.reqs, step.drafts, step.checked
         for b, (req, draft) in enumerate(zip(reqs, drafts, strict=True)):
             verdict = checked.verdicts[b]
-            self.target.rollback(req.row, len(req.context) + verdict.accepted)
-            req.stats.draft_s += t1 - t0
-            req.stats.verify_s += t2 - t1
-            step = StepRecord(len(req.output), list(draft.tokens), draft.source, 0)
+            req.stats.draft_s += step.drafted_s
+            req.stats.verify_s += step.verified_s
+            rec = StepRecord(step.positions[b], list(draft.tokens), draft.source,
+                             min(verdict.accepted, len(step.gained[b])))  # past EOS / max tokens: not counted
             if verdict.accepted < len(draft.tokens) and self.config.topk_logprobs > 0:
-                lp = torch.log_softmax(fwd.logits[b, verdict.accepted].float(), dim=-1)
+                lp = torch.log_softmax(step.fwd.logits[b, verdict.accepted].float(), dim=-1)
                 top = lp.topk(min(self.config.topk_logprobs, lp.shape[-1]))
-                step.topk_ids, step.topk_logprobs = top.indices.tolist(), top.values.tolist()
+                rec.topk_ids, rec.topk_logprobs = top.indices.tolist(), top.values.tolist()
             q, p = draft.probs, checked.target_probs[b]
             if p is not None:
                 req.stats.alpha_sum += float(torch.minimum(p, q[:, : p.shape[-1]]).sum())
                 req.stats.alpha_count += len(draft.tokens)
-            if req.drafter.uses_features:
-                req.add_features(fwd.features[b, : verdict.accepted + 1])
-            new = self._accept_tokens(req, draft.tokens[: verdict.accepted] + [verdict.next_token])
-            step.accepted = min(verdict.accepted, len(new))  # tokens past EOS/max_new_tokens don't count
-            req.stats.record_step(len(draft.tokens), step.accepted)
-            rec[2] += len(new)
-            req.length.update(len(draft.tokens), verdict.accepted)
-            req.steps.append(step)
+            req.stats.record_step(len(draft.tokens), rec.accepted)
+            req.steps.append(rec)
         if self.config.measure_costs:
-            t3 = time.perf_counter()
-            if clean:
-                self.costs.record_verify(len(reqs) * width, t3 - t1)
+            if step.clean:
+                width = max(len(d.tokens) for d in drafts) + 1
+                self.costs.record_verify(len(reqs) * width, step.step_s)
             versions = {r.drafter.version for r in reqs}
             if len(versions) == 1:
-                self.costs.record_draft(versions.pop(), sum(ks), t1 - t0)
+                self.costs.record_draft(versions.pop(), sum(step.ks), step.drafted_s)
+        for observe in self.step_observers:
+            observe(step)
 
     def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
         """Each request's k this step (runtime/adaptive.py). Seeded sampled requests, whose output
@@ -502,6 +515,26 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     while n < end and a[n] == b[n]:
         n += 1
     return n
+
+
+@dataclass
+class StepFacts:
+    """What one verify step decided, for the records kept of it: per running request its draft
+    length, draft, output position before the step and the tokens it gained; the step's
+    seconds drafting, verifying (the target forward and verification) and in all (through
+    the requests taking their tokens). `clean`: no prompt chunk shared the forward."""
+
+    reqs: list[_Request]
+    ks: list[int]
+    drafts: list[Draft]
+    fwd: Forward
+    checked: BatchVerdict
+    positions: list[int]
+    gained: list[list[int]]
+    drafted_s: float
+    verified_s: float
+    step_s: float
+    clean: bool
 
 
 class _Request:
