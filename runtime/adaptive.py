@@ -258,11 +258,14 @@ class DraftLengthController:
 
     def wants_probe(self, every: int | None = None) -> bool:
         """A probe is due (`probe_width` tokens): `every` (default probe_every) steps without
-        drafting; for a version still unproven also at a request's first step and at once after a
-        probe was accepted (evidence, gathered while it pays)."""
-        if not self.proven() and (self.last_hit or not self.own.reached):
+        drafting; for a version still unproven also at once after a probe was accepted
+        (evidence, gathered while it pays) and at a request's first step — unless `every` was
+        stretched past probe_every because a probe costs much (a model drafter's first draft in
+        a request runs the whole prompt through it)."""
+        every = every or self.config.probe_every
+        if not self.proven() and (self.last_hit or (not self.own.reached and every <= self.config.probe_every)):
             return True
-        return self.since_draft + 1 >= (every or self.config.probe_every)
+        return self.since_draft + 1 >= every
 
     def update(self, drafted: int, accepted: int) -> None:
         self.own.update(drafted, accepted)

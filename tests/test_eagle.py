@@ -51,7 +51,9 @@ def test_stories260k_greedy_is_lossless(stories, stories_eagle_dir, eagle_traffi
         assert res.output_ids == hf_greedy(stories.model, prompt, MAX_NEW)
         accepted += res.stats.accepted
         rejected += res.stats.drafted - res.stats.accepted
-    assert accepted > 20 and rejected > 0  # both verification paths exercised
+    # both verification paths exercised (the adaptive rule drafts less: on this ~1 ms target a probe
+    # costs more than its budget allows at every request's first step)
+    assert accepted > (5 if length.adaptive else 20) and rejected > 0
 
 
 def tiny_target_and_head(vocab: int = 64, draft_vocab: int = 48, seed: int = 0):
@@ -198,7 +200,8 @@ def test_replay_with_teacher_forced_features_equals_the_engine(stories, stories_
     report = replay_traces(sink.events, drafter, length=length, vocab_size=stories.vocab_size,
                            features=lambda t: extractor.one(t.prompt_ids + t.output_ids).features)
     assert report.outputs_match
-    assert (report.stats.steps, report.stats.accepted, report.stats.drafted) == (live.steps, live.accepted, live.drafted)
+    assert ((report.stats.steps, report.stats.accepted, report.stats.drafted)
+            == (live.steps, live.accepted, live.drafted))
     with pytest.raises(ValueError, match="reads the target's hidden states"):
         replay_traces(sink.events, drafter, length=length)
 
@@ -293,7 +296,8 @@ def test_bf16_mixed_precision_computes_the_same_loss_and_learns(stories, stories
         with autocast(cfg, torch.device("cpu")):
             loss, _ = TTTLoss(head, embed, lm, cfg)(examples[:8])
         loss.backward()
-        results[mode] = (float(loss.detach()), torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None]))
+        results[mode] = (float(loss.detach()),
+                         torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None]))
     (l32, g32), (l16, g16) = results["no"], results["bf16"]
     assert l16 != l32 and abs(l16 - l32) / l32 < 0.02, (l32, l16)  # bf16 engaged, and only rounding apart
     assert torch.nn.functional.cosine_similarity(g32, g16, dim=0) > 0.98
@@ -320,7 +324,8 @@ def test_sampled_answers_are_seeded_and_logged_as_sampled(stories):
     from online.trainer.warmstart import sampled_answers
 
     two = sampled_answers(stories, ids, 12, 2, 1.0)
-    assert len(two) == 6 and [t.output_ids for t in two] == [t.output_ids for t in sampled_answers(stories, ids, 12, 2, 1.0)]
+    assert len(two) == 6 and ([t.output_ids for t in two]
+                              == [t.output_ids for t in sampled_answers(stories, ids, 12, 2, 1.0)])
     assert [t.output_ids for t in two[:3]] != [t.output_ids for t in two[3:]]  # each pass draws its own answers
     assert sampled_answers(stories, ids, 12, 0, 0.0) == []
     with pytest.raises(ValueError, match="temperature > 0"):
