@@ -234,8 +234,10 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         if "offline" in extra:
             off, uns = summary(extra["offline"][a:b]), summary(extra["offline_unseen"][a:b])
             row["offline"], row["offline_unseen"] = off, uns
-            row["online_vs_offline_acceptance_rate"] = round(ads["acceptance_rate"] / max(off["acceptance_rate"], 1e-9), 3)
-            row["online_vs_unseen_acceptance_rate"] = round(ads["acceptance_rate"] / max(uns["acceptance_rate"], 1e-9), 3)
+            row["online_vs_offline_acceptance_rate"] = round(
+                ads["acceptance_rate"] / max(off["acceptance_rate"], 1e-9), 3)
+            row["online_vs_unseen_acceptance_rate"] = round(
+                ads["acceptance_rate"] / max(uns["acceptance_rate"], 1e-9), 3)
         rows.append(row)
     result = {"config": vars(args), "timing": timing, "domains": rows, "rounds": rounds,
               "init": extra.get("init"),

@@ -103,7 +103,8 @@ def adapt(target, drafter_dir: Path, work: Path, args) -> tuple[Path, VocabBridg
     for r in range(args.rounds):
         window = ListSource(traces[: per * (r + 1)], holdout_fraction=0.2).window()
         res = run_round(window, champion, work / f"round{r}", cfg, champion_version=str(r), target=target)
-        rounds.append({"round": r + 1, "promoted": res.promoted, "candidate_mal": round(res.candidate.mean_acceptance_length, 3),
+        rounds.append({"round": r + 1, "promoted": res.promoted,
+                       "candidate_mal": round(res.candidate.mean_acceptance_length, 3),
                        "champion_mal": round(res.champion.mean_acceptance_length, 3), "seconds": round(res.seconds, 1)})
         print(f"round {r + 1}: {res.reason}", flush=True)
         if res.promoted:
@@ -141,10 +142,11 @@ def main() -> None:
         "ours, frozen drafter": SpeculativeEngine.for_model(
             target, CrossVocabDrafter(d0.model, d0.tokenizer, target.tokenizer, version="frozen"), fixed),
         "ours, adapted (n-gram cache + hybrid distillation)": SpeculativeEngine.for_model(
-            target, CrossVocabDrafter(d1.model, d1.tokenizer, target.tokenizer, bridge=bridge, version="adapted"), fixed),
+            target, CrossVocabDrafter(d1.model, d1.tokenizer, target.tokenizer, bridge=bridge, version="adapted"),
+            fixed),
     }
-    rows = {name: {"tps": [], "stats": [], "match": []} for name in ["HF generate (target only)", "HF universal assisted",
-                                                                     *engines]}
+    rows = {name: {"tps": [], "stats": [], "match": []}
+            for name in ["HF generate (target only)", "HF universal assisted", *engines]}
     counter = ForwardCounter(target.model)
     hf_tokens = hf_steps = 0
     prompts = [target.tokenizer(p).input_ids for p in story_prompts(args.prompts, 3)]
@@ -181,14 +183,17 @@ def main() -> None:
                       "outputs_equal_target_greedy": all(r["match"])})
     meta = {"target": target.model_id, "drafter": "stories260K", "k": args.k, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "adapt_requests": args.adapt_requests, "rounds": rounds,
-            "adapt_seconds": round(adapt_s, 1), "bridge_mappings": bridge.mappings(), "threads": torch.get_num_threads(),
+            "adapt_seconds": round(adapt_s, 1), "bridge_mappings": bridge.mappings(),
+            "threads": torch.get_num_threads(),
             "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     print(f"\n{meta}\n")
     print("| row | tokens/s (median) | × target only (ours) | mean acc. length | acc. rate | outputs = target greedy |")
     print("|---|---|---|---|---|---|")
     for t in table:
-        print(f"| {t['row']} | {t['tokens_per_s']} | {t['ratio_vs_target_only']} | {t['mean_acceptance_length'] or '—'} | "
-              f"{t['acceptance_rate'] if t['acceptance_rate'] is not None else '—'} | {t['outputs_equal_target_greedy']} |")
+        print(f"| {t['row']} | {t['tokens_per_s']} | {t['ratio_vs_target_only']} | "
+              f"{t['mean_acceptance_length'] or '—'} | "
+              f"{t['acceptance_rate'] if t['acceptance_rate'] is not None else '—'} | "
+              f"{t['outputs_equal_target_greedy']} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_crossvocab.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
     shutil.rmtree(work, ignore_errors=True)

@@ -101,7 +101,8 @@ def case_builders(args: argparse.Namespace, target: LoadedModel, tmp: Path) -> l
     return cases
 
 
-def timed(engine: SpeculativeEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float, list[RequestStats]]:
+def timed(engine: SpeculativeEngine, prompts: list[list[int]],
+          n: int) -> tuple[list[list[int]], float, list[RequestStats]]:
     outs, stats = [], []
     t = time.perf_counter()
     for ids in prompts:

@@ -179,7 +179,8 @@ def main() -> None:
     for r in rows:
         c = r["cpu_ms_per_trace"]
         print(f"| {r['transport']} | {r['collectors']} | {r['traces']} | {r['end_to_end_traces_per_s']:.0f} | "
-              f"{r['emitter_traces_per_s']:.0f} | {r['emit_call_us']:.1f} | {c['emitter']:.2f} / {c['collectors']:.2f} / "
+              f"{r['emitter_traces_per_s']:.0f} | {r['emit_call_us']:.1f} | "
+              f"{c['emitter']:.2f} / {c['collectors']:.2f} / "
               f"{c['broker']:.2f} | {r['cpu_bound_traces_per_s_2_cores']:.0f} | {r['dropped']} | {r['stored']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--synthesized", type=int, default=0,
                     help="extra training prompts written by the target itself (Magpie), answered like the pool's")
     ap.add_argument("--sampled", type=int, default=0,
-                    help="extra answers per training prompt, sampled at --temperature (more data; held-out stays greedy)")
+                    help="extra answers per training prompt, sampled at --temperature (more data; held-out stays "
+                         "greedy)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
                     help="bf16: the head's matmuls in bfloat16 (TrainerConfig.mixed_precision)")
@@ -89,7 +90,8 @@ def main() -> None:
     bench_eval = replay_heldout(target, out, bench_prompts, args.k)
     summary = {"target": target.model_id, "train_requests": len(train), "heldout_requests": len(heldout),
                "general_pool_requests": args.requests, "synthesized_requests": args.synthesized,
-               "bench_engine_prompts": bench_eval, "sampled_per_prompt": args.sampled, "temperature": args.temperature if args.sampled else None,
+               "bench_engine_prompts": bench_eval, "sampled_per_prompt": args.sampled,
+               "temperature": args.temperature if args.sampled else None,
                "max_new_tokens": args.max_new_tokens, "generate_seconds": round(gen_s, 1),
                "feature_seconds": round(res.feature_seconds, 1), "train_seconds": round(res.train_seconds, 1),
                "steps": res.steps, "mixed_precision": args.mixed_precision, "k": args.k, "threads": args.threads,
@@ -103,7 +105,8 @@ def main() -> None:
         print(f"| {p.train_seconds / 60:.1f} min | {p.step} | {p.heldout_mean_acceptance_length:.3f} | "
               f"{p.heldout_first_token_acceptance:.3f} |")
     print(f"\nthe engine benchmark's {len(bench_prompts)} prompts (in no training pool), k={args.k}: mean acceptance "
-          f"length {bench_eval['mean_acceptance_length']}, first-token acceptance {bench_eval['first_token_acceptance']}")
+          f"length {bench_eval['mean_acceptance_length']}, "
+          f"first-token acceptance {bench_eval['first_token_acceptance']}")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -111,5 +111,6 @@ def collector_kill_restart(config: Path, store_url: str, expected_event_ids: Ite
     assert proc.returncode == 0, f"restarted collector rc {proc.returncode}: {err[-2000:]}"
     stored = stored_event_ids(store_url)
     assert len(stored) == len(set(stored))
-    assert set(stored) == expected, f"{len(expected - set(stored))} events lost, {len(set(stored) - expected)} unexpected"
+    assert set(stored) == expected, (
+        f"{len(expected - set(stored))} events lost, {len(set(stored) - expected)} unexpected")
     return {"kills": kills, "restart": json.loads(out.strip().splitlines()[-1])}

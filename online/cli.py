@@ -18,7 +18,8 @@ COMMANDS = sorted(m.name for m in pkgutil.iter_modules(online.commands.__path__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="livedraft", description="Speculative decoding that learns from live traffic.")
+    parser = argparse.ArgumentParser(prog="livedraft",
+                                     description="Speculative decoding that learns from live traffic.")
     parser.add_argument("--config", help="TOML config file (default: $LIVEDRAFT_CONFIG)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -87,7 +87,8 @@ class TrainerConfig:
     rejected_weight: float = 1.0  # extra weight where the served draft was rejected (OSD)
     warmup_steps: int = 10  # linear learning-rate warm-up, then cosine decay to 10 %
     draft_vocab: int = 8192  # draft vocabulary of a new head: the log's most frequent target tokens
-    vocab_refresh: int = 1  # a round admits output tokens seen this often in its window into the draft vocabulary; 0 = fixed
+    # a round admits output tokens seen this often in its window into the draft vocabulary; 0 = fixed
+    vocab_refresh: int = 1
     mixed_precision: str = "no"  # eagle heads: "bf16" runs the head's matmuls in bfloat16 (fp32 weights and loss)
     # -- crossvocab (OmniDraft hybrid distillation) --
     ngram_weight: float = 1.0  # extra cross-entropy weight where several drafter tokens spell one target token
@@ -287,7 +288,8 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(raw) - names
     if unknown:
-        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in [{where or 'top level'}]; known: {sorted(names)}")
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in [{where or 'top level'}]; "
+                          f"known: {sorted(names)}")
     kwargs = {}
     for name, value in raw.items():
         hint = hints[name]

@@ -406,9 +406,9 @@ class DrafterRegistry:
             os.replace(local, dst)
         except (MlflowException, OSError) as e:
             if not dst.is_file():
-                raise RegistryError(f"{self.name} version {version} has no GGUF head ({GGUF_ARTIFACT}: {e}); its target "
-                                    "did not resolve when it was registered: export it with `livedraft drafter export "
-                                    "DIR --format gguf --target TARGET`") from None
+                raise RegistryError(f"{self.name} version {version} has no GGUF head ({GGUF_ARTIFACT}: {e}); "
+                                    "its target did not resolve when it was registered: export it with "
+                                    "`livedraft drafter export DIR --format gguf --target TARGET`") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return dst
@@ -439,7 +439,8 @@ def replay_plot(result: RoundResult, path: Path) -> Path:
     for label, m in ((f"candidate {result.candidate_version}", result.candidate),
                      (f"champion v{result.champion_version}", result.champion)):
         xs = range(1, len(m.per_position_acceptance) + 1)
-        ax.plot(xs, m.per_position_acceptance, marker="o", label=f"{label} (mean acc. len {m.mean_acceptance_length:.2f})")
+        ax.plot(xs, m.per_position_acceptance, marker="o",
+                label=f"{label} (mean acc. len {m.mean_acceptance_length:.2f})")
     k = max(len(result.candidate.per_position_acceptance), len(result.champion.per_position_acceptance))
     ax.set_xticks(range(1, k + 1))
     ax.set_xlabel("draft position")
@@ -532,7 +533,8 @@ def _version_tags(result: RoundResult, target_model: str) -> dict[str, str]:
 
 def _round_params(result: RoundResult, target_model: str) -> dict[str, str]:
     cfg = result.config
-    keys = ["loss", "lr", "steps", "max_seconds", "batch_size", "ce_weight", "seed", "lora", "promote_margin", "replay_k"]
+    keys = ["loss", "lr", "steps", "max_seconds", "batch_size", "ce_weight", "seed", "lora", "promote_margin",
+            "replay_k"]
     keys += ["jsd_beta"] if cfg.loss == "jsd" else []
     keys += ["lora_r", "lora_alpha", "lora_target_modules"] if cfg.lora else []
     params = {k: str(getattr(cfg, k)) for k in keys}

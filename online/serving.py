@@ -121,8 +121,8 @@ def start_serving(
             window=s.rollback_window, min_requests=s.rollback_min_requests, max_drop=s.rollback_max_drop))
     options = server_options(cfg, host, port)
     try:
-        server = CompletionServer(EngineWorker(engine, job_queue(options)), target.tokenizer, model_id=target.model_id, options=options,
-                                  swapper=swapper, sink=sink, dead_letters=dead_letters)
+        server = CompletionServer(EngineWorker(engine, job_queue(options)), target.tokenizer, model_id=target.model_id,
+                                  options=options, swapper=swapper, sink=sink, dead_letters=dead_letters)
     except OSError as e:
         raise ServeError(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}: "
                              "pick another --port (0 = any free port)") from e

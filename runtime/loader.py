@@ -87,7 +87,8 @@ def resolve_model_dir(spec: str | os.PathLike, cache_dir: str | os.PathLike | No
     path = Path(spec_s).expanduser()
     if not path.exists():
         names = ", ".join(PACKAGED)
-        raise ModelLoadError(f"model {spec_s!r} not found: give a Hugging Face model directory, a .gguf file, or one of: {names}")
+        raise ModelLoadError(f"model {spec_s!r} not found: give a Hugging Face model directory, a .gguf file, "
+                             f"or one of: {names}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf: give a model directory or a GGUF file")

@@ -93,13 +93,15 @@ class ServerMetrics:
         yield info
         yield from _swaps(self._swapper_status())
         for attr, doc in (("emitted", "Trace events handed to the sink (one per finished request)."),
-                          ("dropped", "Trace events lost because the sink's queue was full (or still queued at close)."),
+                          ("dropped", "Trace events lost because the sink's queue was full "
+                                      "(or still queued at close)."),
                           ("failed", "Trace events the sink's transport failed to write.")):
             yield CounterMetricFamily(f"livedraft_events_{attr}", doc,
                                       value=getattr(self._sink, attr) if self._sink is not None else 0)
         if self._dead_letters is not None:
             yield CounterMetricFamily("livedraft_events_dead_lettered",
-                                      "Stream records this process's collector could not decode (kept as dead letters).",
+                                      "Stream records this process's collector could not decode "
+                                      "(kept as dead letters).",
                                       value=self._dead_letters())
         yield GaugeMetricFamily("livedraft_queue_depth", "Requests waiting for the engine.", value=self._queue_depth())
         yield GaugeMetricFamily("livedraft_running_requests", "Requests the engine decodes together now (batch rows).",
@@ -117,7 +119,8 @@ def _acceptance(by_version: dict[str, RequestStats]) -> Iterator[Metric]:
         "drafts": CounterMetricFamily("livedraft_spec_decode_num_drafts",
                                       "Verify steps (each counts, also one with an empty draft).", labels=v),
         "drafted": CounterMetricFamily("livedraft_spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=v),
-        "accepted": CounterMetricFamily("livedraft_spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=v),
+        "accepted": CounterMetricFamily("livedraft_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                        labels=v),
         "pos": CounterMetricFamily("livedraft_spec_decode_num_accepted_tokens_per_pos",
                                    "Accepted draft tokens by position in the draft.", labels=v + ["position"]),
         "mal": GaugeMetricFamily("livedraft_spec_decode_mean_acceptance_length",

@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 
 
-def wait_for(cond: Callable[[], object], timeout_s: float, what: str = "the condition", interval_s: float = 0.02) -> None:
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str = "the condition",
+             interval_s: float = 0.02) -> None:
     """Polls `cond` until it is true; fails the test after `timeout_s`, naming `what`."""
     deadline = time.monotonic() + timeout_s
     while not cond():

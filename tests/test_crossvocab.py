@@ -47,7 +47,8 @@ def metaspace_bpe(vocab: int) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>", *bytes_]))
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab,
+                                                        special_tokens=["<pad>", "<s>", "</s>", *bytes_]))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 

@@ -118,7 +118,8 @@ def sentencepiece_model(path: Path) -> int:
     kind = pb.ModelProto.SentencePiece
     pieces = [("<unk>", 0.0, kind.UNKNOWN), ("<s>", 0.0, kind.CONTROL), ("</s>", 0.0, kind.CONTROL)]
     pieces += [(f"<0x{i:02X}>", 0.0, kind.BYTE) for i in range(256)]
-    pieces += [(w, -float(j), kind.NORMAL) for j, w in enumerate(["\u2581the", "\u2581cat", "\u2581sat", "t", "h", "e"])]
+    pieces += [(w, -float(j), kind.NORMAL)
+               for j, w in enumerate(["\u2581the", "\u2581cat", "\u2581sat", "t", "h", "e"])]
     pieces += [("<user>", 0.0, kind.USER_DEFINED), ("<unused0>", 0.0, kind.UNUSED)]
     for text, score, k in pieces:
         p = m.pieces.add()
@@ -215,7 +216,8 @@ def test_keys_and_tensors_are_the_converters(bpe, tmp_path):
     assert value["general.architecture"] == "eagle3" and value["general.file_type"] == 0  # ALL_F32
     assert value["eagle3.target_layers"] == cfg.aux_layers and value["eagle3.target_hidden_size"] == H
     assert not value["eagle3.norm_before_residual"] and not value["eagle3.norm_before_fc"]
-    assert (value["eagle3.block_count"], value["eagle3.embedding_length"], value["eagle3.feed_forward_length"]) == (1, H, FF)
+    assert ((value["eagle3.block_count"], value["eagle3.embedding_length"], value["eagle3.feed_forward_length"])
+            == (1, H, FF))
     assert (value["eagle3.attention.head_count"], value["eagle3.attention.head_count_kv"]) == (HEADS, KV)
     assert value["eagle3.vocab_size"] == cfg.vocab_size == len(value["tokenizer.ggml.tokens"])
     assert (value["tokenizer.ggml.model"], value["tokenizer.ggml.pre"]) == ("llama", "default")
@@ -245,7 +247,8 @@ def test_a_sentencepiece_target_and_a_variant_head(spm, tmp_path):
     tokens, types, scores = (value[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
     t = gguf.TokenType
     assert types[:4] == [t.UNKNOWN, t.CONTROL, t.CONTROL, t.BYTE] and tokens[3] == "<0x00>"
-    assert (tokens[-9:-7], types[-9:-7]) == (["<user>", "<unused0>"], [t.NORMAL, t.UNUSED])  # as SentencePiece reads them
+    assert (tokens[-9:-7], types[-9:-7]) == (["<user>", "<unused0>"],
+                                             [t.NORMAL, t.UNUSED])  # as SentencePiece reads them
     assert tokens[-1] == f"[PAD{len(tokens) - 1}]" and (types[-1], scores[-1]) == (t.UNUSED, -10000.0)
     assert tensors["enc.output_norm.weight"][:2] == ("F32", [3 * H])
     assert tensors["rope_freqs.weight"][:2] == ("F32", [HD // 2])  # llama3 RoPE factors
@@ -317,7 +320,8 @@ def test_a_gpt2_bpe_whose_pre_tokenizer_is_unknown_is_refused(bpe, tmp_path):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     with pytest.raises(ModelLoadError, match="give --target as the target's GGUF"):
         bpe_pre_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok), tmp_path)
 
@@ -340,7 +344,8 @@ def test_export_command(bpe, tmp_path, capsys):
         ([str(tmp_path), "--out", str(tmp_path / "x.gguf")], "not an eagle drafter"),
         ([str(head_dir), "--out", str(tmp_path / "x.gguf"), "--target", str(tmp_path / "nowhere")], "not found"),
         ([str(head_dir), "--out", str(out)], "already exists"),
-        ([str(head_dir), "--out", str(tmp_path / "x.gguf"), "--verifier", "v"], "--verifier is for --format speculators"),
+        ([str(head_dir), "--out", str(tmp_path / "x.gguf"), "--verifier", "v"],
+         "--verifier is for --format speculators"),
     ):
         capsys.readouterr()
         assert cli(["drafter", "export", *argv, "--format", "gguf"]) == 2
@@ -427,7 +432,8 @@ def test_llama_server_drafts_with_the_head_exactly_as_livedraft(llama_cpp, bpe, 
                    if b.is_file()), None)
     if binary is None:
         pytest.skip(f"no llama-server in {llama_cpp}/build/bin or {llama_cpp}/bin (cmake --build build "
-                    "--target llama-server, or point LIVEDRAFT_LLAMA_CPP_DIR at `livedraft engine install`'s directory)")
+                    "--target llama-server, or point LIVEDRAFT_LLAMA_CPP_DIR at `livedraft engine install`'s "
+                    "directory)")
     from online.config import TrainerConfig
     from online.trainer.warmstart import answer_prompts, warm_start
 

@@ -85,7 +85,8 @@ def test_hybrid_threshold_picks_the_source(stories, stories_drafter_dir, greedy_
         if threshold == 0.0:
             suffix_steps = [s for s in res.trace.steps if s.source == "suffix"]
             # nearly all accepted (the tail past max_new_tokens does not count as accepted)
-            assert suffix_steps and sum(s.accepted for s in suffix_steps) >= 0.8 * sum(len(s.drafted) for s in suffix_steps)
+            assert suffix_steps and (sum(s.accepted for s in suffix_steps)
+                                     >= 0.8 * sum(len(s.drafted) for s in suffix_steps))
 
 
 def synthetic_trace(ids: list[int], out: list[int], tag: str | None, rid: str) -> RequestTrace:

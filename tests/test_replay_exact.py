@@ -19,7 +19,8 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("length", [DraftLengthConfig(k=4), DraftLengthConfig(k=6, adaptive=True)], ids=["k4", "adaptive"])
+@pytest.mark.parametrize("length", [DraftLengthConfig(k=4), DraftLengthConfig(k=6, adaptive=True)],
+                         ids=["k4", "adaptive"])
 @pytest.mark.parametrize("kind", ["model", "lookup"])
 @pytest.mark.parametrize("finish", ["length", "stop", STOP_STRING])
 def test_replay_equals_engine(stories, stories_drafter_dir, kind, length, finish):

@@ -99,7 +99,8 @@ def test_concurrent_sinks_never_let_a_consumer_skip(store):
 
     reader = threading.Thread(target=consume)
     reader.start()
-    writers = [threading.Thread(target=lambda s=s, b=b: [s.emit(t) for t in b]) for s, b in zip(sinks, batches, strict=True)]
+    writers = [threading.Thread(target=lambda s=s, b=b: [s.emit(t) for t in b])
+               for s, b in zip(sinks, batches, strict=True)]
     for w in writers:
         w.start()
     for w in writers:

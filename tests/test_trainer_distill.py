@@ -115,8 +115,10 @@ def test_lora_is_merged_into_a_plain_model(drafter_dir, traffic, tmp_path):
     parent, wa, wb = weights(drafter_dir), weights(a.out_dir), weights(b.out_dir)
     assert wa.keys() == parent.keys()  # no adapter tensors left
     assert not (a.out_dir / "adapter_config.json").exists()
-    assert not torch.equal(wa["model.layers.0.self_attn.q_proj.weight"], parent["model.layers.0.self_attn.q_proj.weight"])
-    assert torch.equal(wa["model.layers.0.mlp.up_proj.weight"], parent["model.layers.0.mlp.up_proj.weight"])  # not targeted
+    assert not torch.equal(wa["model.layers.0.self_attn.q_proj.weight"],
+                           parent["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(wa["model.layers.0.mlp.up_proj.weight"],
+                       parent["model.layers.0.mlp.up_proj.weight"])  # not targeted
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     load_model_drafter(a.out_dir, None)
 

@@ -1,9 +1,10 @@
 """The collector: consumes the event stream in batches and writes them to the SQL store.
 
 Per batch: poll → decode each record (one that does not decode, or that the store cannot
-hold, becomes a dead letter with the reason) → one store transaction (traces idempotent on event_id, dead letters once per
-position) → only then commit the source's offsets. A crash anywhere before the commit
-redelivers the batch, which then writes nothing twice: no event lost, none duplicated.
+hold, becomes a dead letter with the reason) → one store transaction (traces idempotent on
+event_id, dead letters once per position) → only then commit the source's offsets. A crash
+anywhere before the commit redelivers the batch, which then writes nothing twice: no event
+lost, none duplicated.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "champion yet")
     p.add_argument("--no-trainer", action="store_true", help="collect only")
     p.add_argument("--target", help="the target model (directory, GGUF or smollm2-135m): needed to train eagle "
-                                    "heads, whose rounds recompute its hidden states; checks model drafters' vocabulary")
+                                    "heads, whose rounds recompute its hidden states; checks model drafters' "
+                                    "vocabulary")
     add_model_arguments(p)
     p.set_defaults(func=run)
 

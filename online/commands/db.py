@@ -87,7 +87,8 @@ def prune(args: argparse.Namespace) -> int:
     from online.store import Store
     from online.stream.sql import prune as prune_stream
 
-    hours = args.retention_hours if args.retention_hours is not None else load_config(args.config).stream.sql_retention_hours
+    hours = (args.retention_hours if args.retention_hours is not None
+             else load_config(args.config).stream.sql_retention_hours)
     if hours <= 0:
         print("retention is 0 (keep forever): give --retention-hours H > 0 to prune")
         return 2

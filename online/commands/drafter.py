@@ -44,12 +44,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--out", required=True, help="output directory (an Eagle3 drafter)")
     train.add_argument("--init", help="start from this Eagle3 head instead of a new one")
     train.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
-    train.add_argument("--max-new-tokens", type=int, default=64, help="answer length for --prompts and --synthesize (default 64)")
+    train.add_argument("--max-new-tokens", type=int, default=64,
+                       help="answer length for --prompts and --synthesize (default 64)")
     train.add_argument("--sampled", type=int, default=0, metavar="N",
                        help="--prompts/--synthesize: N more answers per training prompt, sampled at --temperature "
                             "(seeded), beside the greedy one: more data for the same prompts (held-out prompts get "
                             "only their greedy answer)")
-    train.add_argument("--temperature", type=float, default=0.8, help="temperature of the --sampled answers (default 0.8)")
+    train.add_argument("--temperature", type=float, default=0.8,
+                       help="temperature of the --sampled answers (default 0.8)")
     train.add_argument("--limit", type=int, help="--traffic: the most recent N traces")
     train.add_argument("--heldout", type=int, default=32, help="newest traces held out for the acceptance curve")
     train.add_argument("--minutes", type=float, default=0.0, help="training time budget (0: --steps only)")

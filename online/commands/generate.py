@@ -69,7 +69,8 @@ def read_prompts(path: str) -> list[str]:
 
 def encode(tokenizer: object, prompt: str, chat: bool) -> list[int]:
     if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
     return tokenizer(prompt).input_ids
 
 
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         all_stats.append(res.stats)
         text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         if args.json:
-            print(json.dumps({"prompt": prompt, "output_ids": res.output_ids, "text": text, "stats": res.stats.to_dict()}))
+            print(json.dumps({"prompt": prompt, "output_ids": res.output_ids, "text": text,
+                              "stats": res.stats.to_dict()}))
         else:
             s = res.stats
             print(f"### {prompt}\n{text}\n--- {s.output_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "

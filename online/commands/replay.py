@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="re-execute the requests through the engine with this target (wall-clock tokens/s)")
     p.add_argument("--cost-ratio", type=float,
                    help="cost of one draft token / one verify forward for model drafters (default: measured "
-                        f"with --target, else from the traces' timings, else {ASSUMED_COST_RATIO}); model-free kinds cost 0")
+                        f"with --target, else from the traces' timings, else {ASSUMED_COST_RATIO}); model-free kinds "
+                        "cost 0")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", metavar="PNG", help="draw acceptance per position and per tag to this file")
     p.set_defaults(func=run)
@@ -76,7 +77,8 @@ def parse_time(value: str | None, flag: str) -> float | None:
     try:
         dt = datetime.fromisoformat(value)
     except ValueError:
-        raise LivedraftError(f"{flag} {value!r} is neither epoch seconds nor an ISO 8601 time (2026-11-23T10:00)") from None
+        raise LivedraftError(f"{flag} {value!r} is neither epoch seconds nor an ISO 8601 time "
+                             "(2026-11-23T10:00)") from None
     return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
@@ -113,7 +115,8 @@ def _open_store(url: str) -> Any:
     try:
         u = make_url(url)
     except ArgumentError:
-        raise LivedraftError(f"--traffic {url!r} is not a database URL (sqlite:///path.db or postgresql+psycopg://...)") from None
+        raise LivedraftError(f"--traffic {url!r} is not a database URL "
+                             "(sqlite:///path.db or postgresql+psycopg://...)") from None
     if u.get_backend_name() not in ("sqlite", "postgresql"):
         raise LivedraftError(f"--traffic {url!r} is not a store URL livedraft reads: SQLite or PostgreSQL "
                              "(sqlite:///path.db, postgresql+psycopg://...), or give a .jsonl export")
@@ -123,7 +126,8 @@ def _open_store(url: str) -> Any:
     store = Store.open(url, upgrade=False)  # reading only: never migrate someone else's database
     if store.revision() is None:
         store.close()
-        raise LivedraftError(f"{store.url} is not a livedraft store (no schema): check the URL or run `livedraft db upgrade`")
+        raise LivedraftError(f"{store.url} is not a livedraft store (no schema): check the URL or run "
+                             "`livedraft db upgrade`")
     return store
 
 
@@ -201,7 +205,8 @@ def _logged_ratio(traces: list[RequestTrace]) -> float | None:
     return (draft_s / drafted) / (verify_s / steps)
 
 
-def execute(traces: list[RequestTrace], target: LoadedModel, drafter: Drafter, length: DraftLengthConfig) -> RequestStats:
+def execute(traces: list[RequestTrace], target: LoadedModel, drafter: Drafter,
+            length: DraftLengthConfig) -> RequestStats:
     """Re-runs every trace's request (its prompt and sampling parameters) through the engine.
     Requests the target cannot serve (too long) are skipped."""
     from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
@@ -270,7 +275,8 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True)))
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
@@ -292,7 +298,8 @@ def render(runs: list[DrafterRun], summary: dict[str, Any]) -> str:
     srows = [[r.label, src, str(v.steps), str(v.drafted), str(v.accepted), _fmt(v.acceptance_rate)]
              for r in scored for src, v in sorted(r.report.per_source.items())]
     if srows:
-        out += ["", "per draft source:", _table(["drafter", "source", "steps", "drafted", "accepted", "acc rate"], srows)]
+        out += ["", "per draft source:",
+                _table(["drafter", "source", "steps", "drafted", "accepted", "acc rate"], srows)]
     live = [r for r in runs if r.live is not None]
     if live:
         lrows = [[r.label, str(r.live.requests), str(r.live.output_tokens), _fmt(r.live.mean_acceptance_length),

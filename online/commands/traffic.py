@@ -18,10 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--domain", choices=sorted(DOMAINS), help="built-in prompts of this domain (default: stories)")
     src.add_argument("--prompts", help="your own prompts: .txt (one per line) or .jsonl ({\"prompt\": ...}), "
                                        "sent in order, cycling when --requests asks for more")
-    p.add_argument("--rate", type=float, default=1.0, help="requests per second (<= 0: as fast as --concurrency allows)")
+    p.add_argument("--rate", type=float, default=1.0,
+                   help="requests per second (<= 0: as fast as --concurrency allows)")
     p.add_argument("--requests", type=int, default=100, help="how many requests to send")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (replay and the trainer's gate use greedy traffic)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (replay and the trainer's gate use greedy traffic)")
     p.add_argument("--tag", help="domain/tenant tag recorded with each trace (default: the domain; none for --prompts)")
     p.add_argument("--api-key", help="sent as `Authorization: Bearer KEY` (default: env LIVEDRAFT_API_KEY)")
     p.add_argument("--baseline-every", type=int, default=0,

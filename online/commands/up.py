@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     daemon.start()
     stop = threading.Event()
     restore = install_stop_signals(stop)
-    print(f"\nlivedraft up: serving {target.model_id} on {handle.url} with drafter version {champion} ({args.drafter_kind}) "
+    print(f"\nlivedraft up: serving {target.model_id} on {handle.url} "
+          f"with drafter version {champion} ({args.drafter_kind}) "
           f"(ready in {time.monotonic() - t0:.0f}s)\n"
           f"  store    {cfg.store_url()}\n  stream   {cfg.stream.kind}\n"
           f"  registry {registry.settings.tracking_uri} (model {registry.name}, alias champion)\n"
@@ -287,7 +288,8 @@ def _demo(args: argparse.Namespace, url: str, stop: threading.Event, tokenizer: 
         if stop.wait(args.demo_seconds):
             return
         if not trained():
-            print("demo: waiting for the first trainer round to finish (and a promoted version to serve) ...", flush=True)
+            print("demo: waiting for the first trainer round to finish (and a promoted version to serve) ...",
+                  flush=True)
         while not trained() and time.monotonic() < deadline and not stop.wait(1.0):
             pass
         stop.set()

@@ -189,8 +189,9 @@ class Store:
                 now = time.time()
                 stmt = self._insert(d).on_conflict_do_nothing().returning(d.c.id)
                 dead = len(conn.execute(stmt, [
-                    {"at": now, "reason": _text(x.reason, 4000), "source": _text(x.source, 256), "partition": x.partition,
-                     "offset": x.offset, "payload": x.payload} for x in map(_positioned, dead_letters)]).all())
+                    {"at": now, "reason": _text(x.reason, 4000), "source": _text(x.source, 256),
+                     "partition": x.partition, "offset": x.offset, "payload": x.payload}
+                    for x in map(_positioned, dead_letters)]).all())
         return WriteResult(inserted, len(rows) - inserted, dead)
 
     def _count_drafters(self, conn: sa.Connection, new: Sequence[sa.Row]) -> None:

@@ -296,7 +296,8 @@ def _trainable(model: PreTrainedModel, cfg: TrainerConfig) -> PreTrainedModel:
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.lora_modules, task_type="CAUSAL_LM")
     try:
-        with MODEL_LOAD_LOCK, warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing for us to fix
+        # peft calls a transformers API deprecated in v5; nothing for us to fix
+        with MODEL_LOAD_LOCK, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return get_peft_model(model, lora)
     except ValueError as e:

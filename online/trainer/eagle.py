@@ -187,7 +187,8 @@ def position_weights(trace: RequestTrace, cfg: TrainerConfig) -> torch.Tensor:
     return w
 
 
-def make_examples(traces: Sequence[RequestTrace], passes: Sequence[TargetPass], cfg: TrainerConfig) -> list[EagleExample]:
+def make_examples(traces: Sequence[RequestTrace], passes: Sequence[TargetPass],
+                  cfg: TrainerConfig) -> list[EagleExample]:
     return [EagleExample(list(t.prompt_ids) + list(t.output_ids), tp.features, tp.hidden, position_weights(t, cfg))
             for t, tp in zip(traces, passes, strict=True)]
 

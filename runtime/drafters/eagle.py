@@ -125,9 +125,11 @@ class EagleConfig:
         layer = d.get("transformer_layer_config")
         if not isinstance(layer, dict) or layer.get("model_type", "llama") != "llama":
             raise ModelLoadError(f"{where}: transformer_layer_config must be a Llama layer config "
-                                 f"(model_type 'llama'), got {None if not isinstance(layer, dict) else layer.get('model_type')!r}")
+                                 "(model_type 'llama'), got "
+                                 f"{None if not isinstance(layer, dict) else layer.get('model_type')!r}")
         if int(layer.get("num_hidden_layers", 1)) != 1:
-            raise ModelLoadError(f"{where}: {layer.get('num_hidden_layers')} draft layers; livedraft runs one-layer Eagle3 heads")
+            raise ModelLoadError(f"{where}: {layer.get('num_hidden_layers')} draft layers; "
+                                 "livedraft runs one-layer Eagle3 heads")
         target_hidden = d.get("target_hidden_size")
         if target_hidden not in (None, layer.get("hidden_size")):
             raise ModelLoadError(f"{where}: target_hidden_size {target_hidden} differs from the head's hidden size")
@@ -357,7 +359,8 @@ class FeatureDrafter:
             nxt, hs, toks = [], [], []
             for b, i in enumerate(live):
                 row = rows[i]
-                q = warp(logits[b], row.temperature, row.top_p) if row.temperature > 0 else torch.softmax(logits[b].float(), -1)
+                q = (warp(logits[b], row.temperature, row.top_p) if row.temperature > 0
+                     else torch.softmax(logits[b].float(), -1))
                 top, j = q.max(-1)  # one pass: the confidence, and the greedy token
                 d = drafts[i]
                 if d.tokens and float(top) < row.min_confidence:  # before sampling: see Drafter

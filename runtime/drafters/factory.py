@@ -174,7 +174,8 @@ def load_model_drafter(
         check_same_vocab(d, target)
     meta = read_drafter_meta(d.path)
     vocab = target.vocab_size if target is not None else d.vocab_size
-    return ModelDrafter(d.model, vocab, kept_ids=meta.get("kept_ids"), version=version or meta.get("version") or d.model_id)
+    return ModelDrafter(d.model, vocab, kept_ids=meta.get("kept_ids"),
+                        version=version or meta.get("version") or d.model_id)
 
 
 def check_same_vocab(drafter: LoadedModel, target: LoadedModel) -> None:

@@ -72,8 +72,8 @@ def _gguf_target(path: Path) -> GGUFTarget:
     keys = [GGUFKey(f.name, _raw_value(f), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
             for f in reader.fields.values() if f.name.startswith("tokenizer.")]
     return GGUFTarget(path, True, int(_scalar(reader, f"{arch}.embedding_length")),
-                      int(_scalar(reader, f"{arch}.block_count")), int(vocab if vocab is not None else len(tokens.data)),
-                      keys)
+                      int(_scalar(reader, f"{arch}.block_count")),
+                      int(vocab if vocab is not None else len(tokens.data)), keys)
 
 
 def _hf_target(path: Path) -> GGUFTarget:
@@ -263,8 +263,9 @@ def bpe_pre_tokenizer(tokenizer: Any, where: Path) -> str:
     try:
         return BPE_PRE_TOKENIZERS[chkhsh]
     except KeyError:
-        raise ModelLoadError(f"{where}: a BPE tokenizer whose pre-tokenizer livedraft does not know (hash {chkhsh[:12]}): "
-                             "give --target as the target's GGUF file, whose tokenizer is copied as it is") from None
+        raise ModelLoadError(f"{where}: a BPE tokenizer whose pre-tokenizer livedraft does not know "
+                             f"(hash {chkhsh[:12]}): give --target as the target's GGUF file, "
+                             "whose tokenizer is copied as it is") from None
 
 
 class SpecialVocab(gguf.SpecialVocab):

@@ -32,7 +32,8 @@ def find_llama_server(explicit: str | None = None, locations: Locations | None =
         return _given(explicit, "llama-server", "--llama-server")
     if locations.configured:
         return _given(locations.configured, "llama-server", "llama_server (LIVEDRAFT_LLAMA_SERVER)")
-    return _cached_or_path("llama-server", locations, "no --llama-server PATH, no llama_server / LIVEDRAFT_LLAMA_SERVER")
+    return _cached_or_path("llama-server", locations,
+                           "no --llama-server PATH, no llama_server / LIVEDRAFT_LLAMA_SERVER")
 
 
 def find_llama_bench(server: str | None = None, locations: Locations | None = None) -> Path:

@@ -61,7 +61,8 @@ def build(source: Path, build_dir: Path, *, jobs: int, log_path: Path, tools: To
     build_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:  # one attempt per log: its first error is this attempt's
         say(f"configuring (cmake); log: {log_path}")
-        _run([tools.cmake, "-S", str(source.resolve()), "-B", str(build_dir), *CMAKE_OPTIONS], log, log_path, "configure", say)
+        _run([tools.cmake, "-S", str(source.resolve()), "-B", str(build_dir), *CMAKE_OPTIONS], log, log_path,
+             "configure", say)
         say(f"building {', '.join(TARGETS)} with {jobs} job(s) (about 10 min on 2 cores)")
         _run([tools.cmake, "--build", str(build_dir), "--target", *TARGETS, "-j", str(jobs)], log, log_path,
              "build", say)

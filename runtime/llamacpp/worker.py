@@ -40,7 +40,8 @@ STOP_TYPES = {"eos": "stop", "limit": "length", "word": STOP_STRING}
 class LlamaServerWorker:
     """A runtime.backend.ServingBackend over the upstream in `slot` (an Upstream, swappable)."""
 
-    def __init__(self, slot: DrafterSlot, queue_: FairQueue[Job], *, target_model: str, sink: Any = None,  # noqa: ANN401
+    def __init__(self, slot: DrafterSlot, queue_: FairQueue[Job], *, target_model: str,
+                 sink: Any = None,  # noqa: ANN401
                  max_batch: int = 4, topk: int = 8, request_timeout_s: float = 300.0, wait_s: float = 30.0,
                  vocab_size: int | None = None, baseline: Callable[[], Upstream] | None = None,
                  max_context: int | None = None) -> None:
