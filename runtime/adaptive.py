@@ -16,10 +16,11 @@ noticed. Probes are spaced further apart when they are dear: their extra seconds
 the steps between them, stay under `probe_budget` of a step that drafts nothing.
 
 Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
-all its requests) drafts only probes: one token at a request's first step, then back to back and
-twice as wide while they are fully accepted (a slow start), else every `probe_every` steps;
-nothing is drafted before the target's cost is measured; an unmeasured draft cost is the last
-measured version's, else one target step per token, never free. Costs carry across requests and swaps.
+all its requests) drafts only probes: one token at a request's first step (while that token is
+accepted at least half the time), then back to back and twice as wide while they are fully
+accepted (a slow start), else every `probe_every` steps; nothing is drafted before the target's
+cost is measured; an unmeasured draft cost is the last measured version's, else one target step
+per token, never free. Costs carry across requests and swaps.
 
 In a batch the widths are padded to the longest row, so the batch shares one
 cap K, chosen the same way over the sum of the rows' expected tokens: as the batch
@@ -170,6 +171,9 @@ class CostModel:
         return v + (self.draft_seconds(version, rows * k) or 0.0)
 
 
+FIRST_PROBES = 4  # an unproven version's first-token probes before its hit rate decides whether new requests probe
+
+
 class AcceptanceCounts:
     """Per position i: drafts that reached token i (all before it accepted), and those whose
     token i was accepted."""
@@ -258,14 +262,18 @@ class DraftLengthController:
 
     def wants_probe(self, every: int | None = None) -> bool:
         """A probe is due (`probe_width` tokens): `every` (default probe_every) steps without
-        drafting; for a version still unproven also at once after a probe was accepted
-        (evidence, gathered while it pays) and at a request's first step — unless `every` was
-        stretched past probe_every because a probe costs much (a model drafter's first draft in
-        a request runs the whole prompt through it)."""
-        every = every or self.config.probe_every
-        if not self.proven() and (self.last_hit or (not self.own.reached and every <= self.config.probe_every)):
+        drafting; for a version still unproven also at once after a probe was accepted (evidence,
+        gathered while it pays) and at a request's first step until the version's first drafted
+        token is judged (FIRST_PROBES) and while it is accepted at least as often as not — a
+        drafter that keeps missing stops probing every new request (a model drafter's first
+        draft in a request runs the whole prompt through it)."""
+        if not self.proven() and (self.last_hit or (not self.own.reached and self._first_token_pays())):
             return True
-        return self.since_draft + 1 >= every
+        return self.since_draft + 1 >= (every or self.config.probe_every)
+
+    def _first_token_pays(self) -> bool:
+        reached, passed = (self.shared or self.own).get(0)
+        return reached < FIRST_PROBES or 2 * passed >= reached
 
     def update(self, drafted: int, accepted: int) -> None:
         self.own.update(drafted, accepted)

@@ -51,9 +51,7 @@ def test_stories260k_greedy_is_lossless(stories, stories_eagle_dir, eagle_traffi
         assert res.output_ids == hf_greedy(stories.model, prompt, MAX_NEW)
         accepted += res.stats.accepted
         rejected += res.stats.drafted - res.stats.accepted
-    # both verification paths exercised (the adaptive rule drafts less: on this ~1 ms target a probe
-    # costs more than its budget allows at every request's first step)
-    assert accepted > (5 if length.adaptive else 20) and rejected > 0
+    assert accepted > 20 and rejected > 0  # both verification paths exercised
 
 
 def tiny_target_and_head(vocab: int = 64, draft_vocab: int = 48, seed: int = 0):
@@ -281,7 +279,7 @@ def test_bf16_mixed_precision_computes_the_same_loss_and_learns(stories, stories
     bf16 rounding, not more), its gradients point the same way, the weights stay fp32, and a
     short run lowers the loss as an fp32 run does."""
     from online.config import TrainerConfig
-    from online.trainer.distill import TrainingError, check_config
+    from online.trainer.common import TrainingError, check_config
     from online.trainer.eagle import TTTLoss, autocast, make_examples, train_head
 
     traces = eagle_traffic[:16]
