@@ -7,14 +7,13 @@ import argparse
 from typing import TYPE_CHECKING
 
 from online.config import Config
+from runtime.drafter_kinds import KINDS
 
 if TYPE_CHECKING:
     from runtime.loader import LoadedModel
 
 
-# runtime.drafters.factory.BUILDERS' keys, spelt out so a command's --help needs no torch import
-# (tests/test_generate_cli.py keeps the two equal)
-DRAFTER_KINDS = ("eagle", "model", "crossvocab", "hybrid", "suffix", "ngram", "lookup", "none")
+DRAFTER_KINDS = tuple(KINDS)  # runtime/drafter_kinds.py: importing it loads no model code
 DRAFTER_KINDS_HELP = " | ".join(DRAFTER_KINDS)
 
 

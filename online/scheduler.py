@@ -28,7 +28,7 @@ from typing import Protocol
 
 from online.config import Config, ConfigError
 from online.registry import DrafterRegistry
-from online.trainer.distill import NotEnoughData
+from online.trainer.common import NotEnoughData
 from online.trainer.round import RoundResult, TraceWindow, run_round
 from runtime.errors import LivedraftError
 from runtime.loader import LoadedModel

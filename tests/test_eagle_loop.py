@@ -11,7 +11,7 @@ import torch
 
 from online.config import Config, TrainerConfig
 from online.registry import DrafterRegistry
-from online.trainer.distill import TrainingError
+from online.trainer.common import TrainingError
 from online.trainer.round import ListSource, run_round
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import FeatureDrafter

@@ -63,11 +63,13 @@ def test_generate_takes_the_kind_of_the_drafter_directory(stories, stories_eagle
     assert sum(x["stats"]["accepted"] for x in per_prompt) > 0
 
 
-def test_the_kinds_named_in_help_are_the_factorys():
+def test_every_registered_kind_builds_from_the_factory_and_is_named_in_help():
     from online.models import DRAFTER_KINDS
-    from runtime.drafters.factory import BUILDERS
+    from runtime.drafter_kinds import KINDS
+    from runtime.drafters import factory
 
-    assert sorted(DRAFTER_KINDS) == sorted(BUILDERS)
+    assert sorted(DRAFTER_KINDS) == sorted(KINDS)
+    assert all(callable(getattr(factory, k.builder, None)) for k in KINDS.values())
 
 
 # -- #25 point 7: each a clear line and exit 2, never a traceback or a silent default -------------

@@ -13,7 +13,7 @@ import pytest
 from devkit.kafka_broker import free_port
 from online.config import Config, RegistryConfig, StoreConfig, TrainerConfig
 from online.registry import DrafterRegistry, RegistryError, RegistrySettings, start_ui
-from online.trainer.distill import DistillResult
+from online.trainer.common import DistillResult
 from online.trainer.round import ReplayMetrics, RoundResult
 from runtime.drafters.factory import load_model_drafter
 from runtime.loader import DRAFTER_META

@@ -13,7 +13,7 @@ import pytest
 from online.config import Config, ConfigError, DaemonConfig
 from online.registry import LocalDrafter, LoggedRound
 from online.scheduler import TrainerService
-from online.trainer.distill import NotEnoughData
+from online.trainer.common import NotEnoughData
 from online.trainer.round import TraceWindow
 
 

@@ -18,7 +18,7 @@ from online.store import DeadLetterIn, Store, StoreError
 from online.store.jsonl import JsonlError, export_jsonl, import_jsonl
 from online.store.migrate import head_revision
 from online.store.models import Base
-from online.trainer.distill import NotEnoughData
+from online.trainer.common import NotEnoughData
 from runtime.errors import LivedraftError
 from tests.serving_utils import run_threads
 from tests.store_fixtures import store, store_url  # noqa: F401

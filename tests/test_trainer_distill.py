@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from online.config import TrainerConfig
-from online.trainer.distill import NotEnoughData, TrainingError, distill, prepare_examples
+from online.trainer.common import NotEnoughData, TrainingError
+from online.trainer.distill import distill, prepare_examples
 from runtime.drafters.factory import load_model_drafter
 from runtime.loader import DRAFTER_META
 from runtime.trace import RequestTrace, StepRecord

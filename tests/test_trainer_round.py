@@ -10,7 +10,7 @@ import pytest
 
 from online.config import Config, TrainerConfig
 from online.registry import DrafterRegistry
-from online.trainer.distill import NotEnoughData
+from online.trainer.common import NotEnoughData
 from online.trainer.round import ListSource, ReplayMetrics, decide, run_round, split_window
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from online.config import load_config
 from online.models import add_model_arguments
 from runtime.adaptive import DraftLengthConfig
+from runtime.drafter_kinds import KINDS, MODEL_FREE
 from runtime.errors import LivedraftError, RequestError
 from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
@@ -29,8 +30,8 @@ if TYPE_CHECKING:  # torch/transformers load only when the command runs, not to 
     from runtime.drafters.factory import DrafterConfig
     from runtime.loader import LoadedModel
 
-MODEL_FREE = ("lookup", "none", "suffix", "ngram")  # kinds whose drafting costs no forward pass
-KINDS_HELP = "model | hybrid | " + " | ".join(MODEL_FREE)  # the factory's kinds (checked when the command runs)
+# what --drafter-kind takes; a learned drafter's own kind (eagle, crossvocab) is read from its directory
+KINDS_HELP = " | ".join(k for k, v in KINDS.items() if not v.learned or k == "model")
 ASSUMED_COST_RATIO = 0.1
 
 
@@ -154,10 +155,10 @@ class DrafterRun:
 
 def drafter_specs(values: list[str], kind: str) -> list[DrafterConfig]:
     """One DrafterConfig per --drafter; a value naming a model-free kind (and no existing path) is that kind."""
-    from runtime.drafters.factory import BUILDERS, DrafterConfig
+    from runtime.drafters.factory import DrafterConfig
 
-    if kind not in BUILDERS:
-        raise LivedraftError(f"unknown --drafter-kind {kind!r}: choose one of {sorted(BUILDERS)}")
+    if kind not in KINDS:
+        raise LivedraftError(f"unknown --drafter-kind {kind!r}: choose one of {sorted(KINDS)}")
     if not values:
         if kind not in MODEL_FREE:
             raise LivedraftError("give at least one --drafter (a model directory, or a kind such as lookup)")
@@ -166,7 +167,7 @@ def drafter_specs(values: list[str], kind: str) -> list[DrafterConfig]:
 
     specs = []
     for v in values:
-        if v in BUILDERS and v not in ("model", "eagle") and not Path(v).exists():
+        if v in KINDS and not KINDS[v].learned and not Path(v).exists():
             specs.append(DrafterConfig(kind=v))
         elif kind == "model" and Path(v).is_dir():
             specs.append(DrafterConfig(kind=drafter_kind(v), path=v))  # a model or an eagle directory

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from online.models import load_target, resolve_drafter
     from online.serving import start_serving
     from online.stream import open_sink
+    from runtime.drafter_kinds import kind_of
     from runtime.drafters.factory import DrafterConfig, build_drafter, drafter_kind
 
     cfg = load_config(args.config)
@@ -76,29 +77,28 @@ def run(args: argparse.Namespace) -> int:
     initial = None
     replica = None
     path = resolve_drafter(args.drafter, cfg)
-    kind = args.drafter_kind or (drafter_kind(path) if path else "model")
-    spec = DrafterConfig(kind=kind, path=path)
-    if kind == "crossvocab" and cfg.cache.bridge_drafter:
+    kind = kind_of(args.drafter_kind or (drafter_kind(path) if path else "model"))
+    spec = DrafterConfig(kind=kind.name, path=path)
+    if kind.cache == "bridge" and cfg.cache.bridge_drafter:
         # the vocabulary bridge the daemon maintains: newest snapshot, then the stream tailed
         from online.cache import open_replica_cache
         from online.cache.maintainer import bridge_factory
 
         replica = open_replica_cache(cfg, fresh=bridge_factory(cfg, target.tokenizer))
         spec.cache = replica.cache
-    elif kind in ("suffix", "ngram", "hybrid"):
+    elif kind.cache in ("suffix", "ngram"):
         # the traffic cache as the daemon maintains it ([cache] bounds and tenant scoping): its
         # newest snapshot, then the stream tailed (this server's own traces included)
         from online.cache import open_replica_cache
         from online.cache.maintainer import drafter_config
 
-        if kind != "hybrid":
-            cfg.cache.kind = kind
+        cfg.cache.kind = kind.cache  # the structure this kind drafts from
         replica = open_replica_cache(cfg, start=False)
         while replica.step(timeout_s=0.2):  # caught up with the traffic logged so far, then tailing
             pass
         replica.start()
-        spec = drafter_config(cfg, replica.cache, kind=kind, path=path)
-    if args.drafter or kind != "model" or not s.watch_registry:
+        spec = drafter_config(cfg, replica.cache, kind=kind.name, path=path)
+    if args.drafter or kind.name != "model" or not s.watch_registry:
         initial = build_drafter(spec, target, cfg.models.cache_dir)
     source = None
     if s.watch_registry:

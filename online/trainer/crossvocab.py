@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from online.config import TrainerConfig
-from online.trainer.distill import DistillResult, NotEnoughData, check_config, save_drafter
+from online.trainer.common import DistillResult, NotEnoughData, check_config, save_drafter
 from online.trainer.losses import soft_label_loss, token_cross_entropy
 from runtime.drafters.crossvocab import Codec, aligned_segments
 from runtime.loader import load_model, read_drafter_meta

@@ -21,11 +21,8 @@ The candidate is written as a drafter directory in the same format as
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 import uuid
 import warnings
@@ -35,46 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
-from online.config import MIXED_PRECISION, TrainerConfig
-from online.trainer.losses import DIVERGENCES, soft_label_loss, token_cross_entropy
-from online.windows import NotEnoughData
-from runtime.errors import LivedraftError
-from runtime.loader import DRAFTER_META, MODEL_LOAD_LOCK, load_model, read_drafter_meta
+from online.config import TrainerConfig
+from online.trainer.common import DistillResult, NotEnoughData, TrainingError, check_config, save_drafter
+from online.trainer.losses import soft_label_loss, token_cross_entropy
+from runtime.loader import MODEL_LOAD_LOCK, load_model, read_drafter_meta
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
 # Drafter metadata that describes the architecture or vocabulary and so survives training.
 INHERITED_META = ("kept_ids", "derived_from", "layers")
-
-
-class TrainingError(LivedraftError, ValueError):
-    """Bad trainer configuration or no usable training data; the message says what to do."""
-
-
-# NotEnoughData lives in online/windows.py (the store raises it too); imported here for callers of distill
-
-
-@dataclass
-class DistillResult:
-    out_dir: Path
-    version: str
-    parent_version: str
-    losses: list[float]  # total loss per optimizer step
-    kd_losses: list[float]  # soft-label divergence per step (0 where a batch had no soft labels)
-    ce_losses: list[float]  # cross-entropy per step
-    steps: int
-    seconds: float
-    traces: int  # traces trained on
-    skipped_traces: int  # empty, out-of-vocabulary or too long for the drafter's context
-    soft_labels: int  # soft-labelled positions in the training data
-    tokens: int  # output positions (cross-entropy rows) in the training data
-
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -148,26 +117,6 @@ def distill(
                          sum(len(e.ids) - 1 - e.first_output_row for e in examples))
 
 
-def check_config(cfg: TrainerConfig) -> None:
-    """Raises TrainingError naming the bad [trainer] key."""
-    if cfg.loss not in DIVERGENCES:
-        raise TrainingError(f"[trainer] loss {cfg.loss!r} is unknown: choose one of {sorted(DIVERGENCES)}")
-    if cfg.loss == "jsd" and not 0.0 < cfg.jsd_beta < 1.0:
-        raise TrainingError(f"[trainer] jsd_beta must be in (0, 1), got {cfg.jsd_beta}")
-    for key in ("lr", "steps", "batch_size", "ttt_steps", "ttt_decay", "draft_vocab"):
-        if not getattr(cfg, key) > 0:
-            raise TrainingError(f"[trainer] {key} must be > 0, got {getattr(cfg, key)}")
-    for key in ("ce_weight", "max_seconds", "max_grad_norm", "weight_decay", "prompt_weight", "rejected_weight",
-                "warmup_steps", "ngram_weight", "vocab_refresh"):
-        if getattr(cfg, key) < 0:
-            raise TrainingError(f"[trainer] {key} must be >= 0, got {getattr(cfg, key)}")
-    if cfg.mixed_precision not in MIXED_PRECISION:
-        raise TrainingError(f"[trainer] mixed_precision {cfg.mixed_precision!r} is unknown: choose one of "
-                            f"{list(MIXED_PRECISION)}")
-    if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):
-        raise TrainingError("[trainer] lora needs lora_r >= 1 and a non-empty lora_target_modules")
-
-
 def prepare_examples(
     traces: Sequence[RequestTrace], vocab_size: int, max_len: int
 ) -> tuple[list[_Example], int]:
@@ -192,26 +141,6 @@ def prepare_examples(
         log.warning("skipped %d of %d traces: empty, out of the drafter's vocabulary or longer than %d tokens",
                     skipped, len(traces), max_len)
     return examples, skipped
-
-
-def save_drafter(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: Path, meta: dict[str, Any]
-) -> Path:
-    """Writes a drafter directory atomically (a temp sibling renamed into place)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / DRAFTER_META).write_text(json.dumps(meta))
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked by the caller); os.replace cannot overwrite a directory
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
 
 
 def _train(

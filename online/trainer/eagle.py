@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from online.config import TrainerConfig
-from online.trainer.distill import DistillResult, NotEnoughData, TrainingError, check_config
+from online.trainer.common import DistillResult, NotEnoughData, TrainingError, check_config
 from online.trainer.features import FeatureExtractor, TargetPass
 from runtime.drafters.eagle import EagleConfig, EagleHead
 from runtime.llama import Rotary, Shape, rotate

@@ -12,21 +12,22 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from online.config import TrainerConfig
 from online.replay import ReplayReport, replay_traces
+from online.trainer.common import DistillResult, TrainingError, check_config
 from online.trainer.crossvocab import distill_crossvocab
-from online.trainer.distill import DistillResult, TrainingError, check_config, distill
+from online.trainer.distill import distill
 from online.trainer.eagle import distill_eagle
 from online.trainer.features import FeatureExtractor, TargetPass
 from online.windows import NotEnoughData, TraceWindow, split_window
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
-from runtime.drafters.factory import drafter_kind, load_drafter, load_feature_drafter
+from runtime.drafters.factory import kind_of_dir, load_drafter, load_feature_drafter
 from runtime.loader import LoadedModel
 from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
@@ -107,10 +108,9 @@ def run_round(
                             "replay scores greedy traffic only; widen the window or wait for greedy requests")
     if not window.train:
         raise NotEnoughData("the training window is empty: wait for more traffic")
-    kind = drafter_kind(champion_dir)
-    eagle = kind == "eagle"
+    kind = kind_of_dir(champion_dir)
     passes = None
-    if eagle:
+    if kind.features:
         if target is None:
             raise TrainingError(f"the champion {champion_dir} is an eagle head: its rounds need the target model "
                                 "(run the trainer where the target is loaded: `livedraft up`, or `livedraft daemon "
@@ -123,24 +123,41 @@ def run_round(
     candidate_version = candidate_version or f"cand-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     out = Path(work_dir) / candidate_version
     provenance = {"window": window.describe(), "parent_registry_version": champion_version}
-    log.info("round: training %s from %s (%s, %d steps)", candidate_version, champion_version,
-             "eagle" if eagle else cfg.loss, cfg.steps)
-    if eagle:
-        training = distill_eagle(champion_dir, window.train, out, cfg, target, passes=passes,
-                                 version=candidate_version, provenance=provenance)
-    elif kind == "crossvocab":
-        if target is None or target.tokenizer is None:
-            raise TrainingError(f"the champion {champion_dir} drafts across vocabularies: its rounds need the "
-                                "target's tokenizer (run the trainer with the target: `livedraft daemon --target T`)")
-        training = distill_crossvocab(champion_dir, window.train, out, cfg, target.tokenizer,
-                                      version=candidate_version, provenance=provenance)
-    else:
-        training = distill(champion_dir, window.train, out, cfg, version=candidate_version, provenance=provenance)
+    log.info("round: training %s from %s (%s trainer, %d steps)", candidate_version, champion_version,
+             kind.trainer, cfg.steps)
+    train = TRAINERS[kind.trainer]
+    training = train(champion_dir, window.train, out, cfg, target, passes, candidate_version, provenance)
     cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)
     log.info("round: %s", reason)
     return RoundResult(out, candidate_version, Path(champion_dir), champion_version, cand, champ, promoted,
                        reason, training, window.describe(), cfg, time.perf_counter() - t0)
+
+
+Trainer = Callable[..., DistillResult]
+
+
+def _eagle(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: TrainerConfig, target: LoadedModel | None,
+           passes: dict[str, TargetPass] | None, version: str, provenance: dict) -> DistillResult:
+    return distill_eagle(champion, traces, out, cfg, target, passes=passes, version=version, provenance=provenance)
+
+
+def _crossvocab(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: TrainerConfig,
+                target: LoadedModel | None, passes: dict[str, TargetPass] | None, version: str,
+                provenance: dict) -> DistillResult:
+    if target is None or target.tokenizer is None:
+        raise TrainingError(f"the champion {champion} drafts across vocabularies: its rounds need the "
+                            "target's tokenizer (run the trainer with the target: `livedraft daemon --target T`)")
+    return distill_crossvocab(champion, traces, out, cfg, target.tokenizer, version=version, provenance=provenance)
+
+
+def _distill(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: TrainerConfig, target: LoadedModel | None,
+             passes: dict[str, TargetPass] | None, version: str, provenance: dict) -> DistillResult:
+    return distill(champion, traces, out, cfg, version=version, provenance=provenance)
+
+
+# DrafterKind.trainer -> the trainer (runtime/drafter_kinds.py names which one learns each kind)
+TRAINERS: dict[str, Trainer] = {"eagle": _eagle, "crossvocab": _crossvocab, "distill": _distill}
 
 
 def target_passes(target: LoadedModel, aux_layers: Sequence[int], traces: Sequence[RequestTrace]
@@ -158,7 +175,7 @@ def score_drafter(
     An eagle drafter reads each trace's target features from `passes` (computed here when missing)."""
     vocab = target.vocab_size if target is not None else None
     length = DraftLengthConfig(k=k)
-    if drafter_kind(path) != "eagle":
+    if not kind_of_dir(path).features:
         drafter = load_drafter(path, target)
         return ReplayMetrics.from_report(replay_traces(traces, drafter, length=length, vocab_size=vocab))
     drafter = load_feature_drafter(path, target)

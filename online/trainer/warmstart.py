@@ -19,7 +19,7 @@ import torch
 
 from online.config import TrainerConfig
 from online.replay import replay_traces
-from online.trainer.distill import NotEnoughData
+from online.trainer.common import NotEnoughData
 from online.trainer.eagle import (
     choose_draft_vocab,
     init_head,

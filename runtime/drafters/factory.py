@@ -1,4 +1,5 @@
-"""One factory: DrafterConfig -> Drafter, through a registry of builders by kind."""
+"""One factory: DrafterConfig -> Drafter, by the kind's registration (runtime/drafter_kinds.py),
+whose `builder` names one of the functions below."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.drafter_kinds import DrafterKind, kind_of
 from runtime.drafters.base import Drafter
 from runtime.drafters.crossvocab import CrossVocabDrafter
 from runtime.drafters.eagle import (
@@ -30,7 +32,7 @@ from runtime.loader import LoadedModel, load_model, read_drafter_meta
 
 @dataclass
 class DrafterConfig:
-    kind: str = "model"  # a key of BUILDERS
+    kind: str = "model"  # a key of KINDS
     path: str | None = None  # model drafters: directory, GGUF file or packaged name
     version: str | None = None  # recorded in traces; defaults to the kind or directory name
     max_ngram: int = 3  # lookup
@@ -106,21 +108,11 @@ def _shared(cfg: DrafterConfig, cls: type) -> Any:
     return cfg.cache
 
 
-BUILDERS: dict[str, Builder] = {
-    "model": _model, "eagle": _eagle, "crossvocab": _crossvocab, "lookup": _lookup, "none": _none,
-    "suffix": _suffix, "ngram": _ngram, "hybrid": _hybrid,
-}
-
-
 def build_drafter(
     cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None = None
 ) -> Drafter:
     """`target` None (replay without a target) skips the vocabulary check."""
-    try:
-        builder = BUILDERS[cfg.kind]
-    except KeyError:
-        raise ModelLoadError(f"unknown drafter kind {cfg.kind!r}: choose one of {sorted(BUILDERS)}") from None
-    return builder(cfg, target, cache_dir)
+    return kind_of(cfg.kind).build(cfg, target, cache_dir)
 
 
 def load_feature_drafter(path: str | os.PathLike, target: LoadedModel | None, *,
@@ -147,16 +139,22 @@ def drafter_kind(path: str | os.PathLike) -> str:
     return str(read_drafter_meta(Path(path)).get("kind") or "model")
 
 
+def kind_of_dir(path: str | os.PathLike) -> DrafterKind:
+    """The registration of the learned drafter directory at `path` (ModelLoadError if its kind is not learned)."""
+    kind = kind_of(drafter_kind(path))
+    if not kind.learned:
+        raise ModelLoadError(f"{path} names drafter kind {kind.name!r}, which has no directory of weights")
+    return kind
+
+
 def load_drafter(path: str | os.PathLike, target: LoadedModel | None, *, cache_dir: str | os.PathLike | None = None,
                  version: str | None = None, bridge: VocabBridge | None = None) -> Drafter:
     """A learned drafter directory of any kind (registry versions, candidates); `bridge`: the shared
     n-gram cache a crossvocab drafter translates through."""
-    kind = drafter_kind(path)
-    if kind == "eagle":
-        return load_feature_drafter(path, target, version=version)
-    if kind == "crossvocab":
-        return _crossvocab(DrafterConfig(kind=kind, path=str(path), version=version, cache=bridge), target, cache_dir)
-    return load_model_drafter(path, target, cache_dir=cache_dir, version=version)
+    kind = kind_of_dir(path)
+    cache = bridge if kind.cache == "bridge" else None
+    cfg = DrafterConfig(kind=kind.name, path=str(path), version=version, cache=cache)
+    return kind.build(cfg, target, cache_dir)
 
 
 def load_model_drafter(
