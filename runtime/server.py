@@ -31,8 +31,10 @@ from runtime.backend import ServingBackend
 from runtime.errors import LivedraftError
 from runtime.fairqueue import FairQueue
 from runtime.hotswap import HotSwapper
+from runtime.http import HttpServer, build_app
 from runtime.metrics import ServerMetrics
 from runtime.protocol import check_tag, finish_reason, livedraft_info, usage
+from runtime.sinks import EventSink
 from runtime.textstream import TextStream
 from runtime.worker import CompletionRequest, EngineWorker, Job
 
@@ -102,12 +104,10 @@ class CompletionServer:
         model_id: str,
         options: ServerOptions | None = None,
         swapper: HotSwapper | None = None,
-        sink: object | None = None,
+        sink: EventSink | None = None,
         dead_letters: Callable[[], int] | None = None,
     ) -> None:
         """`dead_letters`: the count of an in-process collector's dead letters, for /metrics."""
-        from runtime.http import HttpServer, build_app
-
         self.tokenizer, self.model_id = tokenizer, model_id
         self.options = options or ServerOptions()
         self.swapper, self.sink = swapper, sink
