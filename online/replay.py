@@ -82,8 +82,9 @@ def replay_traces(
     verify_slope: float = 0.1,
     keep_traces: bool = False,
 ) -> ReplayReport:
-    """Teacher-forced replay of greedy traces, in order. `vocab_size` defaults to the drafter's
-    target vocab (model drafters) or the largest logged token id + 1. `after_each(trace)` runs
+    """Teacher-forced replay of greedy traces, in order. `vocab_size` (the replayed target's)
+    defaults to the largest token id the traces log + 1: a drafted id past it is never the logged
+    token, so it is rejected as the target would reject it. `after_each(trace)` runs
     after each greedy trace (e.g. adds its output to a global cache, so request i drafts from
     requests < i as a live replica tailing the log would). `features(trace)` gives the target's
     hidden states over prompt + output [N, F]; a drafter with `uses_features` needs it
@@ -97,7 +98,7 @@ def replay_traces(
     if drafter.uses_features and features is None:
         raise ValueError(f"drafter {drafter.version} reads the target's hidden states: replay it with a "
                          "target (--target), which recomputes them teacher-forced")
-    vocab = vocab_size or getattr(drafter, "target_vocab_size", None) or _max_id(greedy) + 1
+    vocab = vocab_size or _max_id(greedy) + 1
     starting: dict[str, RequestTrace] = {}  # the request the engine starts next, by id
 
     def request(request_id: str) -> tuple[RequestTrace, torch.Tensor | None]:
