@@ -34,6 +34,7 @@ import torch
 from online.commands import generate
 from online.commands.generate import encode
 from runtime.adaptive import DraftLengthConfig
+from runtime.calibration import ConfidenceCalibration
 from runtime.drafters.factory import load_feature_drafter, load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
@@ -104,35 +105,17 @@ def ours_row(engine: SpeculativeEngine, ids: list[int], max_new: int) -> tuple[l
     return res.output_ids, time.perf_counter() - t, res.stats
 
 
-def calibration(engine: SpeculativeEngine, drafter, prompts: list[list[int]], max_new: int) -> list[dict]:
-    """How well a drafter's confidence (its top probability at a drafted position) predicts that
-    the position is accepted, given the ones before it were: every drafted position the target
-    reached, binned by confidence (greedy, the engine's fixed k; run untimed after the rows).
-    Adaptive k's confidence stop (`min_confidence`) reads it. `drafter` is the engine's."""
-    seen: list[list[float]] = []
-    propose = drafter.propose
-
-    def recording(rows):
-        drafts = propose(rows)
-        seen.extend(d.probs.max(-1).values.tolist() for d in drafts if d.tokens)
-        return drafts
-
-    drafter.propose = recording
-    edges = [0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001]
-    bins = [[0, 0] for _ in edges[1:]]
+def calibration(engine: SpeculativeEngine, prompts: list[list[int]], max_new: int) -> list[dict]:
+    """The engine's drafter's confidence against acceptance (runtime/calibration.py) over `prompts`
+    (greedy, the engine's fixed k; run untimed after the rows)."""
+    observer = ConfidenceCalibration()
+    engine.step_observers.append(observer)
     try:
         for ids in prompts:
-            seen.clear()
-            steps = [s for s in engine.generate(ids, SamplingParams(max_new_tokens=max_new)).trace.steps if s.drafted]
-            for step, confs in zip(steps, seen, strict=True):
-                for i, c in enumerate(confs[: step.accepted + 1]):  # reached: all before accepted
-                    b = next(j for j in range(len(bins)) if c < edges[j + 1])
-                    bins[b][0] += 1
-                    bins[b][1] += i < step.accepted
+            engine.generate(ids, SamplingParams(max_new_tokens=max_new))
     finally:
-        del drafter.propose  # the class's method again
-    return [{"confidence": f"{edges[j]:.1f}-{min(edges[j + 1], 1.0):.1f}", "positions": n,
-             "accepted": round(a / n, 3) if n else None} for j, (n, a) in enumerate(bins)]
+        engine.step_observers.remove(observer)
+    return observer.table()
 
 
 def feature_overhead(target, width: int, reps: int = 40) -> dict:
@@ -226,7 +209,7 @@ def main() -> None:
     calib = []
     if args.eagle:  # the fixed-k row's head again (its requests are all done), at k_max
         engine = SpeculativeEngine.for_model(target, eagle, EngineConfig(draft=DraftLengthConfig(k=args.k_max)))
-        calib = calibration(engine, eagle, prompts, n)
+        calib = calibration(engine, prompts, n)
     base, ours_base = statistics.median(rows[HF_BASE]["tps"]), statistics.median(rows[OURS_BASE]["tps"])
     step_s = 1.0 / ours_base  # one target step (our target-only seconds per token)
     table = []

@@ -438,14 +438,17 @@ def test_a_round_learns_tokens_its_draft_vocabulary_lacked(stories, eagle_traffi
 
 
 def test_the_heads_confidence_predicts_acceptance(stories, stories_eagle_dir, eagle_traffic):
-    """What adaptive k's confidence stop reads, as bench_engine measures it: positions the head is
-    sure of are accepted far more often than those it is not."""
-    from bench.bench_engine import calibration
+    """What adaptive k's confidence stop reads, as runtime/calibration.py measures it: positions the
+    head is sure of are accepted far more often than those it is not."""
+    from runtime.calibration import ConfidenceCalibration
 
     drafter = build_drafter(DrafterConfig(kind="eagle", path=str(stories_eagle_dir)), stories)
     engine = SpeculativeEngine.for_model(stories, drafter, EngineConfig(draft=DraftLengthConfig(k=6)))
-    bins = calibration(engine, drafter, [t.prompt_ids for t in eagle_traffic[135:141]], MAX_NEW)
-    assert "propose" not in vars(drafter)  # the recording hook is gone
+    observer = ConfidenceCalibration()
+    engine.step_observers.append(observer)
+    for t in eagle_traffic[135:141]:
+        engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=MAX_NEW))
+    bins = observer.table()
     assert sum(b["positions"] for b in bins) > 100
 
     def pooled(chosen):  # acceptance over the positions of these bins
