@@ -34,7 +34,7 @@ from runtime.llamacpp.costs import (
 from runtime.llamacpp.upstream import LaunchSpec, SpecParams, Upstream, UpstreamError
 from runtime.llamacpp.worker import LlamaServerWorker
 from runtime.loader import PACKAGED, resolve_model_dir
-from runtime.server import CompletionServer, job_queue
+from runtime.serve.server import CompletionServer, job_queue
 from runtime.slot import DrafterSlot
 
 log = logging.getLogger(__name__)

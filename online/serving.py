@@ -22,10 +22,10 @@ from runtime.engine import EngineConfig, SpeculativeEngine
 from runtime.errors import LivedraftError, ModelLoadError
 from runtime.hotswap import DrafterSource, HotSwapper, RollbackConfig
 from runtime.loader import LoadedModel
-from runtime.server import CompletionServer, ServerOptions, job_queue, read_api_keys
+from runtime.serve.server import CompletionServer, ServerOptions, job_queue, read_api_keys
+from runtime.serve.worker import EngineWorker
 from runtime.sinks import EventSink
 from runtime.slot import DrafterSlot
-from runtime.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 

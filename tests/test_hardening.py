@@ -16,7 +16,7 @@ import pytest
 from online.config import Config, ConfigError
 from online.serving import server_options, start_serving
 from runtime.drafters.lookup import PromptLookupDrafter
-from runtime.http import own_tenant
+from runtime.serve.http import own_tenant
 from runtime.sinks import MemorySink
 from tests.serving_utils import complete, request
 

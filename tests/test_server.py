@@ -23,10 +23,10 @@ from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import STOP_STRING
-from runtime.fairqueue import FairQueue, QueueFull
-from runtime.protocol import parse_completion
+from runtime.serve.fairqueue import FairQueue, QueueFull
+from runtime.serve.protocol import parse_completion
+from runtime.serve.textstream import TextStream
 from runtime.sinks import MemorySink
-from runtime.textstream import TextStream
 from tests.polling import wait_for
 from tests.serving_utils import (
     FakeSource,

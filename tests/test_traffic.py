@@ -27,7 +27,7 @@ def test_domain_pools_are_large_distinct_and_deterministic():
 
 
 class Stub(BaseHTTPRequestHandler):
-    """Answers like runtime/server.py: the first 4 requests by version "1" (4 accepted in 4 steps: mean
+    """Answers like runtime/serve/server.py: the first 4 requests by version "1" (4 accepted in 4 steps: mean
     acceptance length 2), the rest by "2" (12 in 4: 4)."""
 
     calls: list = []

@@ -1,6 +1,6 @@
 """LlamaServerWorker: the serving backend that forwards jobs to a supervised llama-server.
 
-The same contract as our engine's EngineWorker (runtime/backend.py): jobs come from the
+The same contract as our engine's EngineWorker (runtime/serve/backend.py): jobs come from the
 server's FairQueue, up to `max_batch` at once (llama-server's slots decode them together);
 each is forwarded as a streaming `/completion` with `return_tokens` and `n_probs`, its token
 chunks are passed on as they arrive, and the finished request becomes a RequestTrace with the
@@ -25,12 +25,12 @@ from typing import Any
 
 from runtime.engine import STOP_STRING, GenerationResult
 from runtime.errors import RequestError
-from runtime.fairqueue import FairQueue, QueueFull
 from runtime.llamacpp.upstream import Upstream, UpstreamError
+from runtime.serve.fairqueue import FairQueue, QueueFull
+from runtime.serve.worker import CompletionRequest, EngineWorker, Job
 from runtime.slot import DrafterSlot
 from runtime.stats import RequestStats
 from runtime.trace import DraftCounts, RequestTrace, Timings
-from runtime.worker import CompletionRequest, EngineWorker, Job
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ STOP_TYPES = {"eos": "stop", "limit": "length", "word": STOP_STRING}
 
 
 class LlamaServerWorker:
-    """A runtime.backend.ServingBackend over the upstream in `slot` (an Upstream, swappable)."""
+    """A runtime.serve.backend.ServingBackend over the upstream in `slot` (an Upstream, swappable)."""
 
     def __init__(self, slot: DrafterSlot, queue_: FairQueue[Job], *, target_model: str,
                  sink: Any = None,  # noqa: ANN401

@@ -143,9 +143,9 @@ def json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 def parse_completion(obj: Any, *, encode: Any, default_max_tokens: int = 64):  # noqa: ANN201 - CompletionRequest
-    """Validates a decoded JSON body into a CompletionRequest (runtime/worker.py). `encode(text)`
+    """Validates a decoded JSON body into a CompletionRequest (runtime/serve/worker.py). `encode(text)`
     tokenizes a text prompt (None: the model has no tokenizer). Raises RequestError naming the field."""
-    from runtime.worker import CompletionRequest
+    from runtime.serve.worker import CompletionRequest
 
     if not isinstance(obj, dict):
         raise RequestError("the request body must be a JSON object")

@@ -1,9 +1,9 @@
 """The server in front of one engine: an OpenAI-compatible completions API with continuous batching,
 API keys, tenants, metrics, drafter status and hot-swap, and an orderly drain.
 
-Parts: runtime/protocol.py validates requests (typed models, trace-store limits),
-runtime/worker.py batches them through the engine in one thread, runtime/textstream.py
-decodes text as it streams, runtime/http.py is the FastAPI app on uvicorn. This module ties
+Parts: runtime/serve/protocol.py validates requests (typed models, trace-store limits),
+runtime/serve/worker.py batches them through the engine in one thread, runtime/serve/textstream.py
+decodes text as it streams, runtime/serve/http.py is the FastAPI app on uvicorn. This module ties
 them together and owns the lifecycle.
 
 Trace durability: a finished request's trace is handed to the event sink as the engine
@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.backend import ServingBackend
 from runtime.errors import LivedraftError
-from runtime.fairqueue import FairQueue
 from runtime.hotswap import HotSwapper
-from runtime.http import HttpServer, build_app
-from runtime.metrics import ServerMetrics
-from runtime.protocol import check_tag, finish_reason, livedraft_info, usage
+from runtime.serve.backend import ServingBackend
+from runtime.serve.fairqueue import FairQueue
+from runtime.serve.http import HttpServer, build_app
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.protocol import check_tag, finish_reason, livedraft_info, usage
+from runtime.serve.textstream import TextStream
+from runtime.serve.worker import CompletionRequest, EngineWorker, Job
 from runtime.sinks import EventSink
-from runtime.textstream import TextStream
-from runtime.worker import CompletionRequest, EngineWorker, Job
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from runtime.errors import RequestError
-from runtime.fairqueue import QueueFull
-from runtime.metrics import CONTENT_TYPE
-from runtime.protocol import (
+from runtime.serve.fairqueue import QueueFull
+from runtime.serve.metrics import CONTENT_TYPE
+from runtime.serve.protocol import (
     check_tag,
     error_body,
     finish_reason,
@@ -48,10 +48,10 @@ from runtime.protocol import (
     parse_completion,
     usage,
 )
-from runtime.worker import DONE, Job
+from runtime.serve.worker import DONE, Job
 
 if TYPE_CHECKING:
-    from runtime.server import CompletionServer
+    from runtime.serve.server import CompletionServer
 
 log = logging.getLogger(__name__)
 

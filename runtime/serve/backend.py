@@ -1,6 +1,6 @@
 """The serving engine boundary: what the HTTP server asks of the engine behind it.
 
-Two implementations, chosen once at start-up: `runtime.worker.EngineWorker` (livedraft's own
+Two implementations, chosen once at start-up: `runtime.serve.worker.EngineWorker` (livedraft's own
 engine, continuous batching in one thread) and `runtime.llamacpp.worker.LlamaServerWorker`
 (a supervised llama-server, fed livedraft's heads). Both take validated jobs from a FairQueue,
 stream token chunks into each job, and finish it with a `GenerationResult` whose trace has
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from runtime.fairqueue import FairQueue
-from runtime.worker import CompletionRequest, Job
+from runtime.serve.fairqueue import FairQueue
+from runtime.serve.worker import CompletionRequest, Job
 
 
 class ServingBackend(Protocol):

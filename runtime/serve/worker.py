@@ -29,7 +29,7 @@ from runtime.engine import (
     SpeculativeEngine,
 )
 from runtime.errors import RequestError
-from runtime.fairqueue import FairQueue, QueueFull
+from runtime.serve.fairqueue import FairQueue, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Job:
 
 
 class EngineWorker:
-    """Runs `engine` in one thread over jobs from a FairQueue (a runtime.backend.ServingBackend).
+    """Runs `engine` in one thread over jobs from a FairQueue (a runtime.serve.backend.ServingBackend).
     `text_stream(job)` returns the object whose `push(ids) -> text` and `stopped` decode a job
     with stop strings; `on_result(job)` runs after each finished job (metrics, hot-swap)."""
 
