@@ -103,7 +103,7 @@ class TrainerConfig:
 
 @dataclass
 class RegistryConfig:
-    """MLflow tracking + model registry (online/registry.py)."""
+    """MLflow tracking + model registry (online/registry/versions.py)."""
 
     tracking_uri: str = ""  # empty: sqlite:///<data_dir>/mlflow.db (never the project's own DB)
     registry_uri: str = ""  # empty: the tracking URI

@@ -19,11 +19,8 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,7 +119,7 @@ class DrafterRegistry:
             from mlflow import MlflowClient
 
             for uri in {self.settings.tracking_uri, self.settings.registry_uri}:
-                _ensure_sqlite_dir(uri)
+                ensure_sqlite_dir(uri)
             self._client = MlflowClient(tracking_uri=self.settings.tracking_uri,
                                         registry_uri=self.settings.registry_uri)
         return self._client
@@ -363,6 +360,8 @@ class DrafterRegistry:
             self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
         self._log_drafter(run_id, result.candidate_dir, target_model)
         with tempfile.TemporaryDirectory() as tmp:
+            from online.registry.plots import replay_plot
+
             plot = replay_plot(result, Path(tmp) / "replay_acceptance.png")
             summary = Path(tmp) / "round.json"
             summary.write_text(json.dumps(dataclasses.asdict(result), default=str, indent=1))
@@ -429,79 +428,6 @@ class DrafterRegistry:
             raise
 
 
-def replay_plot(result: RoundResult, path: Path) -> Path:
-    """PNG of per-position acceptance, candidate vs champion, on the held-out slice."""
-    # Figure without pyplot: Agg rendering with no global backend state, safe off the main thread.
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    for label, m in ((f"candidate {result.candidate_version}", result.candidate),
-                     (f"champion v{result.champion_version}", result.champion)):
-        xs = range(1, len(m.per_position_acceptance) + 1)
-        ax.plot(xs, m.per_position_acceptance, marker="o",
-                label=f"{label} (mean acc. len {m.mean_acceptance_length:.2f})")
-    k = max(len(result.candidate.per_position_acceptance), len(result.champion.per_position_acceptance))
-    ax.set_xticks(range(1, k + 1))
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("accepted / verify steps")
-    ax.set_ylim(0, 1.05)
-    ax.set_title(f"held-out replay ({result.candidate.requests} requests): "
-                 f"{'promoted' if result.promoted else 'not promoted'}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
-
-
-@dataclass
-class UiServer:
-    process: subprocess.Popen
-    url: str
-
-    def wait_ready(self, timeout_s: float = 30.0) -> bool:
-        """Blocks until GET /health answers 200 (True), the server exits, or `timeout_s` passes (False)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as r:
-                    if r.status == 200:
-                        return True
-            except OSError:
-                pass
-            try:
-                self.process.wait(timeout=0.2)  # doubles as the poll interval; returns at once if it died
-                return False
-            except subprocess.TimeoutExpired:
-                continue
-        return False
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Terminates the server (mlflow forwards the signal to its uvicorn worker) and waits for it."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout_s)
-
-
-def start_ui(settings: RegistrySettings, *, host: str = "127.0.0.1", port: int = 5000) -> UiServer:
-    """Starts `mlflow server` over the registry's stores (one worker, job execution off) and returns at
-    once; call `wait_ready()` before opening the URL and `stop()` when done."""
-    for uri in {settings.tracking_uri, settings.registry_uri}:
-        _ensure_sqlite_dir(uri)
-    cmd = [sys.executable, "-m", "mlflow", "server",
-           "--backend-store-uri", settings.tracking_uri, "--registry-store-uri", settings.registry_uri,
-           "--default-artifact-root", settings.artifact_root, "--no-serve-artifacts",
-           "--workers", "1", "--host", host, "--port", str(port)]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    proc = subprocess.Popen(cmd, env=env)
-    return UiServer(proc, f"http://{host}:{port}")
-
-
 def _gguf_head(drafter_dir: Path, target_model: str, out: Path) -> Path | None:
     """The eagle head as a GGUF for `target_model` (default: the verifier its config names), or
     None with a warning: a version without a GGUF still serves in livedraft's engine and vLLM."""
@@ -565,7 +491,7 @@ def _as_uri(location: str) -> str:
     return Path(location).expanduser().resolve().as_uri()
 
 
-def _ensure_sqlite_dir(uri: str) -> None:
+def ensure_sqlite_dir(uri: str) -> None:
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
