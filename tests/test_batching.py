@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 import runtime.verify as verify
+from devkit.models import tiny_llama
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import DrafterConfig, build_drafter, load_model_drafter
 from runtime.drafters.model import ModelDrafter
 from runtime.drafters.suffix_tree import SuffixCache
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.target import LlamaTarget
-from tests.models import tiny_llama
 from tests.serving_utils import hf_greedy
 from tests.test_kv_rollback import HalfRightDrafter, checking, fresh_greedy
 from tests.test_lossless_sampling import broken_residual, chi2, chi2_critical, exact_joint

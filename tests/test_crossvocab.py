@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from devkit.models import tiny_llama
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.crossvocab import (
     Codec,
@@ -23,7 +24,6 @@ from runtime.drafters.vocab_bridge import BridgeConfig, VocabBridge
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.loader import LoadedModel
 from runtime.target import LlamaTarget
-from tests.models import tiny_llama
 from tests.serving_utils import hf_greedy
 
 CORPUS = ["the cat sat on the mat and the dog sat on the log", "a little bird sang a song in the tree",

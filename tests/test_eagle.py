@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import runtime.verify as verify
+from devkit.models import loaded, tiny_llama
+from devkit.workloads import code_edit, templated_json
 from online.replay import replay_traces
 from online.trainer.eagle import choose_draft_vocab, init_head, refresh_vocab, save_head
 from online.trainer.features import FeatureExtractor
@@ -24,10 +26,8 @@ from runtime.errors import LivedraftError, ModelLoadError
 from runtime.sinks import MemorySink
 from runtime.target import LlamaTarget
 from runtime.trace import RequestTrace
-from tests.models import loaded, tiny_llama
 from tests.serving_utils import hf_greedy
 from tests.test_lossless_sampling import broken_residual, chi2, chi2_critical
-from tests.workloads import code_edit, templated_json
 
 MAX_NEW = 40
 

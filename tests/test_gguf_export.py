@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from devkit.models import tiny_llama
 from online.cli import main as cli
 from online.config import Config
 from online.registry import GGUF_ARTIFACT, DrafterRegistry, RegistryError
@@ -29,12 +30,11 @@ from runtime.drafters.eagle import EagleConfig, EagleHead
 from runtime.drafters.eagle_gguf import absolute_d2t, export_gguf
 from runtime.errors import LivedraftError, ModelLoadError
 from runtime.loader import LoadedModel
-from tests.models import tiny_llama
 
 LLAMA_CPP_ENV = "LIVEDRAFT_LLAMA_CPP_DIR"
 CORPUS = ["the cat sat on the mat and the dog sat on the log", "a little bird sang a song in the tree",
           "tom and lily went to the park to play with a red ball"] * 20
-H, HEADS, KV, HD, FF, LAYERS = 32, 4, 2, 8, 64, 4  # the tiny target (tests.models.tiny_llama)
+H, HEADS, KV, HD, FF, LAYERS = 32, 4, 2, 8, 64, 4  # the tiny target (devkit.models.tiny_llama)
 
 # What llama.cpp's converter writes for a head over a tiny Llama with a byte-fallback BPE tokenizer
 # (recorded from convert_hf_to_gguf.py --outtype f32): key -> GGUF value types.

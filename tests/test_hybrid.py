@@ -8,6 +8,12 @@ import random
 
 import pytest
 
+from devkit.workloads import (
+    HFPromptLookupDrafter,
+    open_ended,
+    repetitive_pairs,
+    traces_from_pairs,
+)
 from online.replay import replay_traces
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import DrafterConfig, build_drafter, load_model_drafter
@@ -19,12 +25,6 @@ from runtime.drafters.suffix_tree import SuffixCache, SuffixConfig
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.trace import RequestTrace
 from tests.serving_utils import hf_greedy
-from tests.workloads import (
-    HFPromptLookupDrafter,
-    open_ended,
-    repetitive_pairs,
-    traces_from_pairs,
-)
 
 PROMPTS = [
     "Once upon a time, there was a dog named",

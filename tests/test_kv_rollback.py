@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devkit.models import tiny_llama
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.target import HFTarget, LlamaTarget, keep_counts
 from tests.drafting import draft
-from tests.models import tiny_llama
 
 
 def fresh_logits(model, ids: list[int]) -> torch.Tensor:

@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from devkit.models import tiny_llama
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.model import ModelDrafter
 from runtime.kv import crop_to
 from runtime.llama import KVCache, Linear, LlamaRunner, unsupported_reason
 from runtime.target import HFTarget, LlamaTarget, default_feature_layers
 from tests.drafting import draft
-from tests.models import tiny_llama
 
 # (op, arg): feed a list of ids, or crop to a length — prefill, decode, rollback, multi-token refeed.
 SCRIPT = [("feed", [5, 9, 13, 2, 7, 40, 3]), ("feed", [11]), ("feed", [12, 14]), ("crop", 8),

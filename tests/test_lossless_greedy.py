@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devkit.models import loaded, tiny_llama
 from runtime.adaptive import DraftLengthConfig
 from runtime.derive import derive_drafter
 from runtime.drafters.factory import load_model_drafter
@@ -12,7 +13,6 @@ from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.model import ModelDrafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
-from tests.models import loaded, tiny_llama
 from tests.serving_utils import hf_greedy
 
 STORY_PROMPTS = [

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import runtime.verify as verify
+from devkit.models import loaded, tiny_llama
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.model import ModelDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 from runtime.target import HFTarget
 from runtime.verify import VerifyRow, verify_batch, warp
-from tests.models import loaded, tiny_llama
 
 Z_999 = 3.0902  # one-sided normal quantile for p = 0.001
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devkit.models import tiny_llama
 from online.config import TrainerConfig
 from online.trainer.common import NotEnoughData, TrainingError
 from online.trainer.distill import distill, prepare_examples
 from runtime.drafters.factory import load_model_drafter
 from runtime.loader import DRAFTER_META
 from runtime.trace import RequestTrace, StepRecord
-from tests.models import tiny_llama
 
 VOCAB = 96
 KEPT = list(range(0, VOCAB, 2))

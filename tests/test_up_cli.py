@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from tests.models import stories_copy
+from devkit.models import stories_copy
 
 
 def test_up_demo_runs_the_whole_loop_and_exits_cleanly(tmp_path):

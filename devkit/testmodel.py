@@ -4,7 +4,7 @@ A fresh clone has no `../shared`, so the tests cannot rely on the real stories26
 builds a model of the same shape (5 layers, hidden 64, 8 heads / 4 KV heads, a 512-token
 SentencePiece vocabulary with byte fallback, BOS-prefixed documents and no EOS, so it never stops
 early) and trains it on text the project writes itself: short children's stories from a grammar,
-plus the repetitive JSON / code / agent workloads of tests/workloads.py. The result has a real,
+plus the repetitive JSON / code / agent workloads of devkit/workloads.py. The result has a real,
 peaked distribution: greedy continuations are fluent and partly predictable, so suffix, n-gram,
 eagle and distillation tests see acceptance, while a derived 2-layer drafter is still weak.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tests.workloads import agent_turns, code_edit, templated_json
+from devkit.workloads import agent_turns, code_edit, templated_json
 
 NAME = "tiny-stories"
 VOCAB = 512
@@ -116,9 +116,9 @@ def corpus(n_docs: int = 6000, seed: int = SEED) -> list[str]:
 
 
 def _recipe_key() -> str:
-    import tests.workloads
+    import devkit.workloads
 
-    src = Path(__file__).read_bytes() + Path(tests.workloads.__file__).read_bytes()
+    src = Path(__file__).read_bytes() + Path(devkit.workloads.__file__).read_bytes()
     return hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
 
 

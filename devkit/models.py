@@ -30,8 +30,8 @@ def loaded(model: LlamaForCausalLM, model_id: str = "tiny") -> LoadedModel:
 
 
 def stories_copy(tmp: Path) -> Path:
-    """A private copy of the trained test model (tests.testmodel; trained once per machine)."""
-    from tests.testmodel import test_model_dir
+    """A private copy of the trained test model (devkit.testmodel; trained once per machine)."""
+    from devkit.testmodel import test_model_dir
 
     dst = tmp / "tiny-stories"
     if not dst.exists():

@@ -1,4 +1,5 @@
-"""The benchmarks' one-forward replay equals the engine-loop replay, step for step."""
+"""The benchmarks' own helpers: the one-forward replay equals the engine-loop replay, step for step; the
+adaptation benches' pools, cross-fitting, gate and recovery."""
 
 from __future__ import annotations
 
