@@ -8,7 +8,7 @@ import torch
 
 from online.cli import build_parser
 from online.config import Config
-from online.models import load_target
+from online.loading import load_target
 from runtime.errors import ModelLoadError
 from runtime.loader import resolve_device, resolve_dtype
 

@@ -64,7 +64,7 @@ def test_generate_takes_the_kind_of_the_drafter_directory(stories, stories_eagle
 
 
 def test_every_registered_kind_builds_from_the_factory_and_is_named_in_help():
-    from online.models import DRAFTER_KINDS
+    from online.loading import DRAFTER_KINDS
     from runtime.drafter_kinds import KINDS
     from runtime.drafters import factory
 

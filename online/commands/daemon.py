@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 
 from online.config import Config, load_config
-from online.models import add_model_arguments
+from online.loading import add_model_arguments
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.data_path.mkdir(parents=True, exist_ok=True)
     target = None
     if args.target:
-        from online.models import load_target
+        from online.loading import load_target
 
         target = load_target(args.target, cfg, args)
     daemon = Daemon(cfg, trainer=not args.no_trainer, target=target)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from online.commands import generate
 from online.config import load_config
-from online.models import add_model_arguments
+from online.loading import add_model_arguments
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.txt"
 
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from online.commands.up import initial_drafter_dir
-    from online.models import load_target
+    from online.loading import load_target
 
     cfg = load_config(args.config)
     drafter_dir = initial_drafter_dir(cfg, args.target, args.layers,

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from online.config import MIXED_PRECISION, load_config
-from online.models import add_model_arguments
+from online.loading import add_model_arguments
 from runtime.errors import LivedraftError
 
 
@@ -106,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def init_drafter(args: argparse.Namespace) -> int:
-    from online.models import load_target
+    from online.loading import load_target
 
     cfg = load_config(args.config)
     target = load_target(args.from_target, cfg, args)
@@ -143,7 +143,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from online.commands.generate import encode, read_prompts
-    from online.models import load_target
+    from online.loading import load_target
     from online.trainer.warmstart import answer_prompts, sampled_answers, warm_start
 
     cfg = load_config(args.config)

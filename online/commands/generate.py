@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from online.config import load_config
-from online.models import DRAFTER_KINDS_HELP, add_model_arguments
+from online.loading import DRAFTER_KINDS_HELP, add_model_arguments
 from runtime.adaptive import DraftLengthConfig
 from runtime.errors import LivedraftError, RequestError
 from runtime.stats import RequestStats
@@ -75,7 +75,7 @@ def encode(tokenizer: object, prompt: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online.models import load_target, resolve_drafter
+    from online.loading import load_target, resolve_drafter
     from runtime.drafters.factory import DrafterConfig, build_drafter, drafter_kind
     from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
 

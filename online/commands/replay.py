@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from online.config import load_config
-from online.models import add_model_arguments
+from online.loading import add_model_arguments
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafter_kinds import KINDS, MODEL_FREE
 from runtime.errors import LivedraftError, RequestError
@@ -340,7 +340,7 @@ def plot(runs: list[DrafterRun], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online.models import load_target, resolve_drafter
+    from online.loading import load_target, resolve_drafter
 
     cfg = load_config(args.config)
     specs = drafter_specs([resolve_drafter(d, cfg) for d in args.drafter or []], args.drafter_kind)

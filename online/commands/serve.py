@@ -10,7 +10,7 @@ from pathlib import Path
 from online.commands.daemon import install_stop_signals
 from online.commands.engine import add_engine_arguments
 from online.config import Config, load_config
-from online.models import DRAFTER_KINDS_HELP, add_model_arguments
+from online.loading import DRAFTER_KINDS_HELP, add_model_arguments
 from runtime.errors import LivedraftError
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from online.drafter_source import RegistryDrafterSource
-    from online.models import load_target, resolve_drafter
+    from online.loading import load_target, resolve_drafter
     from online.serving import start_serving
     from online.stream import open_sink
     from runtime.drafter_kinds import kind_of
@@ -162,7 +162,7 @@ def run_llama_server(args: argparse.Namespace, cfg: Config) -> int:
 
         source = GgufHeadSource(RegistryDrafterSource(DrafterRegistry.from_config(cfg), None), factory)
     if args.drafter:
-        from online.models import resolve_drafter
+        from online.loading import resolve_drafter
 
         path = Path(resolve_drafter(args.drafter, cfg))
         initial = factory.start(path.name, head_gguf(path, target), None)

@@ -17,7 +17,7 @@ from pathlib import Path
 from online.commands.daemon import apply_data_dir, install_stop_signals
 from online.commands.engine import add_engine_arguments
 from online.config import Config, TrainerConfig, load_config
-from online.models import add_model_arguments
+from online.loading import add_model_arguments
 from runtime.errors import LivedraftError
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def initial_drafter_dir(cfg: Config, spec: str, layers: int, target: Callable[[]
 def run(args: argparse.Namespace) -> int:
     from online.daemon import Daemon
     from online.drafter_source import RegistryDrafterSource
-    from online.models import load_target
+    from online.loading import load_target
     from online.registry import DrafterRegistry
     from online.serving import start_serving
     from online.stream import open_sink
