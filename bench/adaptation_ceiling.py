@@ -39,7 +39,7 @@ from bench.traffic import (
     start_run,
 )
 from online.config import TrainerConfig
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from online.trainer.eagle import distill_eagle
 from online.trainer.round import target_passes
 from runtime.adaptive import DraftLengthConfig

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from bench.traffic import Request, chat_ids, prompt_pool
 from online.config import TrainerConfig
-from online.replay import ReplayReport, replay_traces
+from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
 from online.trainer.round import ReplayMetrics, decide, target_passes
 from online.trainer.warmstart import answer_prompts, warm_start

@@ -12,7 +12,7 @@
   accepted, i.e. equal to the logged output, so the drafter's proposal at output
   position i is its argmax given the logged prefix. The step loop then follows
   the engine (k capped at max_new_tokens - len(output) - 1; the first token comes
-  from prefill). Equal to `online.replay.replay_traces` step for step up to float
+  from prefill). Equal to `online.replay.engine.replay_traces` step for step up to float
   rounding of batched vs incremental forwards (tests/test_bench_traffic.py).
 - `served_trace(...)`: the RequestTrace the engine would have logged serving
   that request with that drafter: steps, and the target's top-k soft labels

@@ -14,7 +14,7 @@ import torch
 import runtime.verify as verify
 from devkit.models import loaded, tiny_llama
 from devkit.workloads import code_edit, templated_json
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from online.trainer.eagle import choose_draft_vocab, init_head, refresh_vocab, save_head
 from online.trainer.features import FeatureExtractor
 from runtime.adaptive import DraftLengthConfig

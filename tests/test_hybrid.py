@@ -14,7 +14,7 @@ from devkit.workloads import (
     repetitive_pairs,
     traces_from_pairs,
 )
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import DrafterConfig, build_drafter, load_model_drafter
 from runtime.drafters.hybrid import HybridDrafter

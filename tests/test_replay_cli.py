@@ -7,7 +7,7 @@ import json
 import pytest
 
 from online.cli import main
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from online.store import Store
 from online.store.jsonl import export_jsonl
 from runtime.adaptive import DraftLengthConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from runtime.adaptive import CostModel, DraftLengthConfig
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter

@@ -15,7 +15,7 @@ from bench.traffic import (
     simulate_steps,
     teacher_forced_replay,
 )
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.model import ModelDrafter

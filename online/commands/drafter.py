@@ -179,7 +179,7 @@ def train_drafter(args: argparse.Namespace) -> int:
                                  progress=bar.update)
         bar.close()
     else:
-        from online.commands.replay import load_traffic
+        from online.replay.compare import load_traffic
 
         traces = load_traffic(args.traffic, limit=args.limit)
         n_train = _n_train(len(traces), args.heldout)

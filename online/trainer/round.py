@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from online.config import TrainerConfig
-from online.replay import ReplayReport, replay_traces
+from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.common import DistillResult, TrainingError, check_config
 from online.trainer.crossvocab import distill_crossvocab
 from online.trainer.distill import distill

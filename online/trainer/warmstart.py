@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from online.config import TrainerConfig
-from online.replay import replay_traces
+from online.replay.engine import replay_traces
 from online.trainer.common import NotEnoughData
 from online.trainer.eagle import (
     choose_draft_vocab,
