@@ -252,10 +252,15 @@ class DraftLengthController:
                 return max(i, 1)
         return k
 
+    @property
+    def version_counts(self) -> AcceptanceCounts:
+        """All the version's requests' counts (the shared counts a request starts from), or this
+        request's own without them."""
+        return self.shared if self.shared is not None else self.own
+
     def evidence(self) -> int:
-        """Drafted positions the target has judged for this version: all its requests' (the
-        shared counts a request starts from), or this request's own without them."""
-        return sum((self.shared if self.shared is not None else self.own).reached)
+        """Drafted positions the target has judged for this version."""
+        return sum(self.version_counts.reached)
 
     def proven(self) -> bool:
         return self.evidence() >= self.config.min_evidence
@@ -272,7 +277,7 @@ class DraftLengthController:
         return self.since_draft + 1 >= (every or self.config.probe_every)
 
     def _first_token_pays(self) -> bool:
-        reached, passed = (self.shared or self.own).get(0)
+        reached, passed = self.version_counts.get(0)
         return reached < FIRST_PROBES or 2 * passed >= reached
 
     def update(self, drafted: int, accepted: int) -> None:

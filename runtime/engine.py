@@ -282,11 +282,10 @@ class SpeculativeEngine:
                                   features=any(r.drafter.uses_features for r in (*live, *(r for r, _ in pre))))
         t2 = time.perf_counter()
         if live:
-            positions = [len(r.output) for r in live]
             checked = self._verify(live, drafts, fwd)
             t3 = time.perf_counter()
             gained = self._advance(live, drafts, fwd, checked.verdicts)
-            self._record(StepFacts(live, ks, drafts, fwd, checked, positions, gained, t1 - t0, t3 - t1,
+            self._record(StepFacts(live, ks, drafts, fwd, checked, gained, t1 - t0, t3 - t1,
                                     time.perf_counter() - t1, clean=not pre))
         for b, (req, chunk) in enumerate(pre, start=len(live)):
             req.prefilled += len(chunk)
@@ -368,8 +367,9 @@ class SpeculativeEngine:
             verdict = checked.verdicts[b]
             req.stats.draft_s += step.drafted_s
             req.stats.verify_s += step.verified_s
-            rec = StepRecord(step.positions[b], list(draft.tokens), draft.source,
-                             min(verdict.accepted, len(step.gained[b])))  # past EOS / max tokens: not counted
+            gained = step.gained[b]
+            rec = StepRecord(len(req.output) - len(gained), list(draft.tokens), draft.source,
+                             min(verdict.accepted, len(gained)))  # past EOS / max tokens: not counted
             if verdict.accepted < len(draft.tokens) and self.config.topk_logprobs > 0:
                 lp = torch.log_softmax(step.fwd.logits[b, verdict.accepted].float(), dim=-1)
                 top = lp.topk(min(self.config.topk_logprobs, lp.shape[-1]))
@@ -497,7 +497,6 @@ class SpeculativeEngine:
                 log.exception("drafter end failed for abandoned request %s", req.id)
         return [r.id for r in reqs]
 
-
     def _trace(self, req: _Request) -> RequestTrace:
         s = req.stats
         return RequestTrace(
@@ -520,7 +519,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 @dataclass
 class StepFacts:
     """What one verify step decided, for the records kept of it: per running request its draft
-    length, draft, output position before the step and the tokens it gained; the step's
+    length, draft and the tokens it gained; the step's
     seconds drafting, verifying (the target forward and verification) and in all (through
     the requests taking their tokens). `clean`: no prompt chunk shared the forward."""
 
@@ -529,7 +528,6 @@ class StepFacts:
     drafts: list[Draft]
     fwd: Forward
     checked: BatchVerdict
-    positions: list[int]
     gained: list[list[int]]
     drafted_s: float
     verified_s: float
