@@ -446,10 +446,10 @@ def test_the_heads_confidence_predicts_acceptance(stories, stories_eagle_dir, ea
     engine = SpeculativeEngine.for_model(stories, drafter, EngineConfig(draft=DraftLengthConfig(k=6)))
     observer = ConfidenceCalibration()
     engine.step_observers.append(observer)
-    for t in eagle_traffic[135:141]:
-        engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=MAX_NEW))
+    for t in eagle_traffic[126:144]:  # 18 requests it was not trained on: ~140 unsure positions, enough that
+        engine.generate(t.prompt_ids, SamplingParams(max_new_tokens=MAX_NEW))  # a bin's share is not noise
     bins = observer.table()
-    assert sum(b["positions"] for b in bins) > 100
+    assert sum(b["positions"] for b in bins) > 300
 
     def pooled(chosen):  # acceptance over the positions of these bins
         n = sum(b["positions"] for b in chosen)
@@ -457,5 +457,5 @@ def test_the_heads_confidence_predicts_acceptance(stories, stories_eagle_dir, ea
 
     unsure, n_unsure = pooled(bins[:3])  # confidence < 0.6
     sure, n_sure = pooled(bins[-1:])  # >= 0.9
-    assert n_unsure >= 10 and n_sure >= 10, bins
-    assert sure > unsure + 0.2, bins
+    assert n_unsure >= 60 and n_sure >= 60, bins
+    assert sure > unsure + 0.15, bins
