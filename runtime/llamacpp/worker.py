@@ -167,13 +167,15 @@ class LlamaServerWorker:
             with self._lock:
                 self._running -= 1
             self._free.release()
+            # as in our engine: what a request did is recorded (metrics, traces, the guard) before its
+            # client is answered, so a client that reads /metrics after its answer sees its request
+            if job.result is not None:
+                for hook in (self.on_result, lambda j: self.on_served(up, j.result.stats)):
+                    try:
+                        hook(job)
+                    except Exception:
+                        log.exception("result hook failed after %s", job.id)
             EngineWorker.finish(job)
-        if job.result is not None:
-            for hook in (self.on_result, lambda j: self.on_served(up, j.result.stats)):
-                try:
-                    hook(job)
-                except Exception:
-                    log.exception("result hook failed after %s", job.id)
 
     def _target_only(self) -> Upstream:
         up = self.slot.get()
