@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.bench_engine import PROMPTS
 from online.commands.engine import llamacpp_locations
 from online.config import load_config
-from online.llama_serving import UpstreamFactory, head_gguf, resolve_llama_target
+from online.serving.llama import UpstreamFactory, head_gguf, resolve_llama_target
 from runtime.llamacpp.binary import find_llama_bench
 from runtime.llamacpp.costs import (
     acceptance_from_counts,

@@ -20,8 +20,8 @@ import time
 
 from bench.traffic import THREADS_HELP, chat_ids, prompt_pool, start_run
 from online.config import Config
-from online.serving import start_serving
-from online.traffic import complete
+from online.serving.engine import start_serving
+from online.traffic.generator import complete
 from runtime.drafters.factory import DrafterConfig, build_drafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import SamplingParams, SpeculativeEngine, StepFacts

@@ -166,7 +166,7 @@ def main() -> None:
         if broker is not None:
             broker.stop()
 
-    from online.events import encode_trace
+    from online.stream.events import encode_trace
 
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "load_avg_1m": round(os.getloadavg()[0], 2),

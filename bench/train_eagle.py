@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.traffic import THREADS_HELP, chat_ids, prompt_pool, start_run
 from online.config import MIXED_PRECISION, TrainerConfig
-from online.events import trace_from_json, trace_to_json
+from online.stream.events import trace_from_json, trace_to_json
 from online.trainer.warmstart import answer_prompts, sampled_answers, synthesize_prompts, warm_start
 from runtime.loader import load_model
 from runtime.trace import RequestTrace

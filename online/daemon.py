@@ -22,7 +22,7 @@ from typing import Any
 
 from online.config import Config
 from online.registry import DrafterRegistry
-from online.scheduler import TrainerService
+from online.trainer.scheduler import TrainerService
 from runtime.loader import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from online.cache import (
     write_snapshot,
 )
 from online.config import CacheConfig, ConfigError, load_config
-from online.events import encode_trace
+from online.stream.events import encode_trace
 from online.stream.memory import MemoryStream
 from runtime.drafters.suffix_tree import SuffixCache, SuffixConfig
 from runtime.trace import RequestTrace

@@ -13,8 +13,8 @@ import pytest
 from devkit.stream_helpers import collector_kill_restart, write_config
 from devkit.synthetic import synthetic_trace
 from online.collector import Collector
-from online.events import encode_trace, trace_to_obj
 from online.store import Store
+from online.stream.events import encode_trace, trace_to_obj
 from online.stream.memory import MemoryStream
 from online.stream.sql import SqlSource, append
 from tests.store_fixtures import store, store_url  # noqa: F401

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from online.config import Config
-from online.drafter_source import RegistryDrafterSource
 from online.registry import DrafterRegistry
+from online.registry.source import RegistryDrafterSource
 from runtime.errors import LivedraftError
 from runtime.hotswap import DrafterRef, HotSwapper
 from runtime.slot import DrafterSlot

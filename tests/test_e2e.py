@@ -13,10 +13,10 @@ import pytest
 
 from online.config import Config, DaemonConfig, ServeConfig, StreamConfig, TrainerConfig
 from online.daemon import Daemon
-from online.drafter_source import RegistryDrafterSource
 from online.registry import DrafterRegistry
+from online.registry.source import RegistryDrafterSource
 from online.store import Store
-from online.traffic import TrafficReport, run_traffic
+from online.traffic.generator import TrafficReport, run_traffic
 from runtime.drafters.none import NoDrafter
 from runtime.engine import SamplingParams, SpeculativeEngine
 from tests.polling import wait_for
@@ -39,7 +39,7 @@ def prompts_and_reference(stories):
 
 def test_the_loop_learns_from_live_traffic_and_stays_lossless(stories, stories_drafter_dir, prompts_and_reference,
                                                                tmp_path):
-    from online.serving import start_serving
+    from online.serving.engine import start_serving
     from online.stream import open_sink
 
     prompts, reference = prompts_and_reference

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from devkit.synthetic import synthetic_trace
-from online.events import (
+from online.stream.events import (
     EventDecodeError,
     decode_trace,
     encode_trace,

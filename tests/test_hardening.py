@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import pytest
 
 from online.config import Config, ConfigError
-from online.serving import server_options, start_serving
+from online.serving.engine import server_options, start_serving
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.serve.http import own_tenant
 from runtime.sinks import MemorySink
@@ -326,7 +326,7 @@ def test_durable_traces_survive_a_sigkill_right_after_the_answers(stories, tmp_p
     store = Store.open(f"sqlite:///{data / 'livedraft.db'}")
     src = SqlSource(store, "check")
     src.seek({0: 0})
-    from online.events import decode_trace
+    from online.stream.events import decode_trace
 
     logged = {decode_trace(r.payload).request_id for r in src.poll(1000, 5.0)}
     assert set(answered) <= logged, f"{len(set(answered) - logged)} answered requests have no trace"
@@ -456,8 +456,8 @@ def test_a_kill_between_the_answer_and_its_commit_loses_the_trace_unless_traces_
     import sys
     from pathlib import Path
 
-    from online.events import decode_trace
     from online.store import Store
+    from online.stream.events import decode_trace
     from online.stream.sql import SqlSource
 
     data = tmp_path / "data"

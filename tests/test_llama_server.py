@@ -34,7 +34,7 @@ def llama(tmp_path_factory):
     """(config, target, tokenizer, factory) for the packaged SmolLM2 GGUF and the found binary."""
     from transformers import AutoTokenizer
 
-    from online.llama_serving import UpstreamFactory, resolve_llama_target
+    from online.serving.llama import UpstreamFactory, resolve_llama_target
 
     cfg = load_config(env={k: v for k, v in os.environ.items() if k.startswith("LIVEDRAFT_")})
     cfg.data_dir = str(tmp_path_factory.mktemp("llama-data"))
@@ -51,7 +51,7 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def head_gguf(llama, tmp_path_factory):
     """An untrained EAGLE-3 head for SmolLM2, as llama.cpp's GGUF (it drafts, and misses)."""
-    from online.llama_serving import head_gguf
+    from online.serving.llama import head_gguf
     from online.trainer.eagle import choose_draft_vocab, init_head, save_head
     from runtime.loader import load_model
 
@@ -63,7 +63,7 @@ def head_gguf(llama, tmp_path_factory):
 
 
 def _serve(llama, upstream=None, source=None, sink=None):
-    from online.llama_serving import start_llama_serving
+    from online.serving.llama import start_llama_serving
 
     cfg, target, tok, factory = llama
     return start_llama_serving(cfg, target=target, tokenizer=tok, factory=factory, source=source,
@@ -296,7 +296,7 @@ def test_a_version_is_served_with_the_draft_rule_its_measured_acceptance_and_ste
         llama, head_gguf, tmp_path):
     """An untrained head (its gate measured ~0 acceptance) is started without the head; a head that
     is always right drafts. The step costs are measured on llama-server, once (then cached)."""
-    from online.llama_serving import GgufHeadSource
+    from online.serving.llama import GgufHeadSource
 
     _, _, _, factory = llama
     head_dir = head_gguf.parent / head_gguf.name.removesuffix(".head.gguf")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from devkit.kafka_broker import free_port
-from online.traffic import run_traffic
+from online.traffic.generator import run_traffic
 from tests.polling import wait_for
 from tests.serving_utils import request
 from tests.store_fixtures import pg_schema_url, pg_unavailable

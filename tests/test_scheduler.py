@@ -12,9 +12,9 @@ import pytest
 
 from online.config import Config, ConfigError, DaemonConfig
 from online.registry import LocalDrafter, LoggedRound
-from online.scheduler import TrainerService
 from online.trainer.common import NotEnoughData
 from online.trainer.round import TraceWindow
+from online.trainer.scheduler import TrainerService
 
 
 class FakeStore:

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from online.config import Config
-from online.serving import start_serving
+from online.serving.engine import start_serving
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from runtime.drafters.none import NoDrafter

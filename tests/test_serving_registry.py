@@ -4,9 +4,9 @@ record a rollback as tags and a moved alias."""
 from __future__ import annotations
 
 from online.config import Config
-from online.drafter_source import RegistryDrafterSource
 from online.registry import DrafterRegistry
-from online.serving import start_serving
+from online.registry.source import RegistryDrafterSource
+from online.serving.engine import start_serving
 from runtime.hotswap import DrafterRef
 from tests.serving_utils import complete, hf_greedy, request
 from tests.test_registry import TARGET, candidate_dir, round_result

@@ -18,10 +18,10 @@ import sqlalchemy as sa
 
 from devkit.synthetic import synthetic_trace
 from online.config import load_config
-from online.events import decode_trace
 from online.store import Store
 from online.store import models as m
 from online.stream import open_sink, open_source
+from online.stream.events import decode_trace
 from online.stream.sql import SqlSink, SqlSource, append, consumer_groups, drop_group, prune
 from tests.polling import wait_for
 from tests.store_fixtures import store, store_url  # noqa: F401

@@ -13,11 +13,11 @@ from alembic.runtime.migration import MigrationContext
 
 from devkit.synthetic import synthetic_trace
 from online.cli import main
-from online.events import trace_to_json
 from online.store import DeadLetterIn, Store, StoreError
 from online.store.jsonl import JsonlError, export_jsonl, import_jsonl
 from online.store.migrate import head_revision
 from online.store.models import Base
+from online.stream.events import trace_to_json
 from online.trainer.common import NotEnoughData
 from runtime.errors import LivedraftError
 from tests.serving_utils import run_threads

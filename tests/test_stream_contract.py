@@ -17,8 +17,8 @@ import msgpack
 import pytest
 
 from devkit.synthetic import synthetic_trace
-from online.events import EventDecodeError, decode_trace
 from online.stream import Record
+from online.stream.events import EventDecodeError, decode_trace
 
 # --- one harness per transport ---------------------------------------------------------
 
@@ -326,7 +326,7 @@ def test_kafka_collector_sigkill_restart_stores_every_event_once(kafka_broker, t
     from kafka import KafkaProducer
 
     from devkit.stream_helpers import collector_kill_restart, write_config
-    from online.events import encode_trace
+    from online.stream.events import encode_trace
     from online.stream.kafka import ensure_topic
 
     topic = f"crash-{uuid.uuid4().hex[:10]}"

@@ -8,7 +8,7 @@ import threading
 import time
 
 from online.config import Config
-from online.serving import start_serving
+from online.serving.engine import start_serving
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
 from tests.serving_utils import FakeSource, complete, hf_greedy, request, run_threads, sse_events

@@ -12,8 +12,8 @@ import pytest
 
 from devkit.kafka_broker import free_port
 from online.cli import main
-from online.prompts import DOMAINS, prompts_for
-from online.traffic import TrafficReport, chat_wrap, run_traffic
+from online.traffic.generator import TrafficReport, chat_wrap, run_traffic
+from online.traffic.prompts import DOMAINS, prompts_for
 
 
 def test_domain_pools_are_large_distinct_and_deterministic():

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from online.cache.snapshots import Cache, cache_kind, load_latest_snapshot, write_snapshot
-from online.events import EventDecodeError, decode_trace
 from online.stream import EventSource, Record
+from online.stream.events import EventDecodeError, decode_trace
 from runtime.drafters.factory import DrafterConfig
 from runtime.drafters.ngram import NGramConfig, NGramTable
 from runtime.drafters.suffix_tree import SuffixCache, SuffixConfig

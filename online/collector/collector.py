@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from online.events import EventDecodeError, decode_trace
 from online.store import DeadLetterIn, Store, trace_problem
 from online.stream import EventSource, Record
+from online.stream.events import EventDecodeError, decode_trace
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online.drafter_source import RegistryDrafterSource
     from online.loading import load_target, resolve_drafter
-    from online.serving import start_serving
+    from online.registry.source import RegistryDrafterSource
+    from online.serving.engine import start_serving
     from online.stream import open_sink
     from runtime.drafter_kinds import kind_of
     from runtime.drafters.factory import DrafterConfig, build_drafter, drafter_kind
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise LivedraftError(f"draft lengths must be >= 1, got k={s.k}, k_max={s.k_max}")
     if s.max_batch < 1:
         raise LivedraftError(f"max_batch must be >= 1, got {s.max_batch}")
-    from online.serving import server_options
+    from online.serving.engine import server_options
 
     server_options(cfg, args.host, args.port)  # bad limits, port or keys file fail before any model loads
     cfg.engine.kind = args.engine or cfg.engine.kind
@@ -140,8 +140,8 @@ def run_llama_server(args: argparse.Namespace, cfg: Config) -> int:
     served by a supervised llama-server with the draft rule the cost rule picks."""
     from transformers import AutoTokenizer
 
-    from online.drafter_source import RegistryDrafterSource
-    from online.llama_serving import (
+    from online.registry.source import RegistryDrafterSource
+    from online.serving.llama import (
         GgufHeadSource,
         UpstreamFactory,
         head_gguf,

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from online.prompts import DOMAINS, prompts_for
+from online.traffic.prompts import DOMAINS, prompts_for
 from runtime.errors import LivedraftError
 
 
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online.traffic import chat_wrap, run_traffic
+    from online.traffic.generator import chat_wrap, run_traffic
 
     if args.requests < 1:
         raise LivedraftError(f"--requests must be >= 1, got {args.requests}")

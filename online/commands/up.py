@@ -79,7 +79,7 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
     """An EAGLE-3 head for target `spec`, warm-started on WARM_START_PROMPTS built-in prompts of the
     traffic domains (but `avoid_domain`, so a demo shows the loop learning that one) for `minutes`
     of training, cached under models.cache_dir/drafters."""
-    from online.prompts import DOMAINS, prompts_for
+    from online.traffic.prompts import DOMAINS, prompts_for
     from online.trainer.warmstart import answer_prompts, warm_start
 
     domains = [d for d in sorted(DOMAINS) if d != avoid_domain]
@@ -123,10 +123,10 @@ def initial_drafter_dir(cfg: Config, spec: str, layers: int, target: Callable[[]
 
 def run(args: argparse.Namespace) -> int:
     from online.daemon import Daemon
-    from online.drafter_source import RegistryDrafterSource
     from online.loading import load_target
     from online.registry import DrafterRegistry
-    from online.serving import start_serving
+    from online.registry.source import RegistryDrafterSource
+    from online.serving.engine import start_serving
     from online.stream import open_sink
 
     cfg = apply_data_dir(load_config(args.config), args.data_dir)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.engine.kind = args.engine or cfg.engine.kind
     llama = cfg.engine.kind == "llama-server"
     if llama:
-        from online.llama_serving import GgufHeadSource, UpstreamFactory, resolve_llama_target
+        from online.serving.llama import GgufHeadSource, UpstreamFactory, resolve_llama_target
 
         ltarget = resolve_llama_target(args.target, cfg)
         source = GgufHeadSource(RegistryDrafterSource(registry, None), UpstreamFactory(cfg, ltarget,
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     sink = open_sink(cfg)
     try:
         if llama:
-            from online.llama_serving import start_llama_serving
+            from online.serving.llama import start_llama_serving
 
             handle = start_llama_serving(cfg, target=ltarget, tokenizer=target.tokenizer, factory=source.factory,
                                          source=source, sink=sink, host=args.host, port=args.port,
@@ -278,8 +278,8 @@ def _trained_and_served(daemon: object, handle: object, registry: object,
 
 def _demo(args: argparse.Namespace, url: str, stop: threading.Event, tokenizer: object,
           trained: Callable[[], bool]) -> str:
-    from online.prompts import prompts_for
-    from online.traffic import run_traffic
+    from online.traffic.generator import run_traffic
+    from online.traffic.prompts import prompts_for
 
     print(f"demo: {args.demo_domain} traffic for {args.demo_seconds:.0f}s (greedy, {args.demo_max_tokens} tokens); "
           "watch the mean acceptance length and the drafter version:", flush=True)
@@ -313,7 +313,7 @@ DEMO_BASELINE_EVERY = 4  # one request in four is served by the target alone: th
 def demo_summary(report: object) -> str:
     """Per drafter version: requests, mean acceptance length, median tokens/s and its ratio to the
     target-only requests served in the same run."""
-    from online.traffic import TrafficReport
+    from online.traffic.generator import TrafficReport
 
     done = sorted(report.completed, key=lambda c: c.finished_at)
     if not done:

@@ -1,4 +1,4 @@
-"""JSON Lines export/import of traces: one `online.events.trace_to_json` object per line.
+"""JSON Lines export/import of traces: one `online.stream.events.trace_to_json` object per line.
 
 Import is strict: a line that is not a valid trace raises `JsonlError` naming the file
 and line, rather than silently dropping training data (blank lines are skipped). Fix
@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from online.events import EventDecodeError, trace_from_json, trace_to_json
+from online.stream.events import EventDecodeError, trace_from_json, trace_to_json
 from runtime.errors import LivedraftError
 from runtime.trace import RequestTrace
 

@@ -7,7 +7,7 @@ Why a trace is one row with a msgpack blob and not a child table of steps: a 256
 trace has ~60 verify steps, each with up to 8 soft labels. Readers (replay, trainer,
 cache) always load whole traces, never single steps, so a step table would cost ~60x
 the rows and inserts for no query it serves. The blob is the wire object from
-`online.events` (`payload`), decoded by the same versioned decoder as the stream, so
+`online.stream.events` (`payload`), decoded by the same versioned decoder as the stream, so
 adding an optional trace field needs no migration. What queries filter or aggregate on
 (ids, tag, drafter, model, time, lengths, acceptance counts) are real, indexed columns.
 
@@ -74,7 +74,7 @@ class Trace(Base):
     steps: Mapped[int] = mapped_column(Integer)
     drafted: Mapped[int] = mapped_column(Integer)  # draft tokens over all steps
     accepted: Mapped[int] = mapped_column(Integer)
-    payload: Mapped[bytes] = mapped_column(LargeBinary)  # online.events.encode_trace bytes
+    payload: Mapped[bytes] = mapped_column(LargeBinary)  # online.stream.events.encode_trace bytes
 
 
 class DrafterVersion(Base):

@@ -23,10 +23,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
 
-from online.events import decode_trace, encode_trace
 from online.store import models as m
 from online.store.migrate import current_revision, head_revision, upgrade_db
-from online.windows import NotEnoughData, TraceWindow
+from online.stream.events import decode_trace, encode_trace
+from online.trainer.windows import NotEnoughData, TraceWindow
 from runtime.errors import LivedraftError
 from runtime.trace import RequestTrace
 

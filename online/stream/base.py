@@ -9,7 +9,7 @@ Three kinds, one contract (tests/test_stream_contract.py runs the same suite on 
 
 A sink is a `runtime.sinks.EventSink` (``emit`` never blocks decoding, ``flush``) plus
 ``close()``. A source is an `EventSource`: ``poll`` returns raw `Record`s (payloads are
-`online.events.encode_trace` bytes; decoding and dead-lettering is the consumer's job),
+`online.stream.events.encode_trace` bytes; decoding and dead-lettering is the consumer's job),
 ``commit`` marks everything returned so far as consumed — call it only after the batch
 is durably stored. Transports import their heavy dependencies lazily.
 """

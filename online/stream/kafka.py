@@ -19,8 +19,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from online.events import encode_trace
 from online.stream import Record
+from online.stream.events import encode_trace
 from runtime.errors import LivedraftError
 from runtime.trace import RequestTrace
 

@@ -10,8 +10,8 @@ import threading
 import time
 from typing import ClassVar
 
-from online.events import encode_trace
 from online.stream import Record
+from online.stream.events import encode_trace
 from runtime.trace import RequestTrace
 
 

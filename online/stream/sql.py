@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from online.events import encode_trace
 from online.store import Store
 from online.store import models as m
 from online.stream import Record
+from online.stream.events import encode_trace
 from runtime.trace import RequestTrace
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from online.config import MIXED_PRECISION, TrainerConfig
 from online.trainer.losses import DIVERGENCES
-from online.windows import NotEnoughData
+from online.trainer.windows import NotEnoughData
 from runtime.errors import LivedraftError
 from runtime.loader import DRAFTER_META
 
@@ -27,7 +27,7 @@ class TrainingError(LivedraftError, ValueError):
     """Bad trainer configuration or no usable training data; the message says what to do."""
 
 
-# NotEnoughData lives in online/windows.py (the store raises it too); re-exported for the trainers' callers
+# NotEnoughData lives in online/trainer/windows.py (the store raises it too); re-exported for the trainers' callers
 
 
 @dataclass

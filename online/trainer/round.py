@@ -24,7 +24,7 @@ from online.trainer.crossvocab import distill_crossvocab
 from online.trainer.distill import distill
 from online.trainer.eagle import distill_eagle
 from online.trainer.features import FeatureExtractor, TargetPass
-from online.windows import NotEnoughData, TraceWindow, split_window
+from online.trainer.windows import NotEnoughData, TraceWindow, split_window
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
 from runtime.drafters.factory import kind_of_dir, load_drafter, load_feature_drafter

@@ -54,7 +54,7 @@ class LlamaServerWorker:
         self.max_context = max_context  # a slot's context: prompt + completion must fit
         self.text_stream: Callable[[Job], Any] | None = None
         self.on_result: Callable[[Job], None] = lambda job: None
-        # (upstream, stats) of each finished request: the draft rule's live check (online.llama_serving)
+        # (upstream, stats) of each finished request: the draft rule's live check (online.serving.llama)
         self.on_served: Callable[[Upstream, Any], None] = lambda up, stats: None
         self.restarts = 0
         self._accepting = True

@@ -197,7 +197,7 @@ class GgufHeadSource:
     from the version's replay acceptance and starts llama-server with it."""
 
     def __init__(self, registry_source: object, factory: UpstreamFactory) -> None:
-        self.inner = registry_source  # online.drafter_source.RegistryDrafterSource
+        self.inner = registry_source  # online.registry.source.RegistryDrafterSource
         self.factory = factory
 
     def current(self) -> DrafterRef | None:
@@ -284,7 +284,7 @@ def start_llama_serving(cfg: Config, *, target: LlamaTarget, tokenizer: object, 
                         dead_letters: Callable[[], int] | None = None, vocab_size: int | None = None) -> LlamaServing:
     """Starts the HTTP server in front of llama-server and returns once both serve. Without
     `initial`, the source's current version is started (else the target alone)."""
-    from online.serving import ServeError, server_options
+    from online.serving.engine import ServeError, server_options
 
     s = cfg.serve
     initial_ref = None
