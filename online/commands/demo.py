@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from online.commands.up import initial_drafter_dir
     from online.loading import load_target
+    from online.trainer.bootstrap import initial_drafter_dir
 
     cfg = load_config(args.config)
     drafter_dir = initial_drafter_dir(cfg, args.target, args.layers,

@@ -144,7 +144,7 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     from online.commands.generate import encode, read_prompts
     from online.loading import load_target
-    from online.trainer.warmstart import answer_prompts, sampled_answers, warm_start
+    from online.trainer.warmstart import answered_traces, split_heldout, warm_start
 
     cfg = load_config(args.config)
     if args.threads:
@@ -171,19 +171,15 @@ def train_drafter(args: argparse.Namespace) -> int:
             prompts = [encode(target.tokenizer, p, True)
                        for p in synthesize_prompts(target, args.synthesize, progress=bar.update)]
             bar.close()
-        n_train = _n_train(len(prompts), args.heldout)
+        n_train = len(split_heldout(prompts, args.heldout)[0])
         bar = tqdm(total=len(prompts) + args.sampled * n_train, desc="target answers", unit="req", file=sys.stderr)
-        traces = answer_prompts(target, prompts, args.max_new_tokens, progress=bar.update)
-        train, heldout = traces[:n_train], traces[n_train:]
-        train += sampled_answers(target, prompts[:n_train], args.max_new_tokens, args.sampled, args.temperature,
-                                 progress=bar.update)
+        train, heldout = answered_traces(target, prompts, args.max_new_tokens, heldout=args.heldout,
+                                         sampled=args.sampled, temperature=args.temperature, progress=bar.update)
         bar.close()
     else:
         from online.replay.compare import load_traffic
 
-        traces = load_traffic(args.traffic, limit=args.limit)
-        n_train = _n_train(len(traces), args.heldout)
-        train, heldout = traces[:n_train], traces[n_train:]
+        train, heldout = split_heldout(load_traffic(args.traffic, limit=args.limit), args.heldout)
     tcfg = cfg.trainer
     tcfg.steps, tcfg.batch_size, tcfg.lr = args.steps, args.batch_size, args.lr
     tcfg.max_seconds, tcfg.draft_vocab = args.minutes * 60, args.draft_vocab
@@ -217,11 +213,6 @@ def train_drafter(args: argparse.Namespace) -> int:
                       "total_seconds": round(time.perf_counter() - t0, 1),
                       "heldout_mean_acceptance_length": last.heldout_mean_acceptance_length if last else None}))
     return 0
-
-
-def _n_train(n: int, heldout: int) -> int:
-    """How many of `n` requests train: the newest `heldout` (at most a fifth) are held out."""
-    return n - min(heldout, n // 5)
 
 
 def export_drafter(args: argparse.Namespace) -> int:

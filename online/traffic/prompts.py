@@ -59,3 +59,16 @@ def prompts_for(domain: str, n: int, seed: int = 0) -> list[str]:
         raise ValueError(f"unknown traffic domain {domain!r}: choose one of {', '.join(DOMAINS)}")
     rng = random.Random(seed)
     return [rng.choice(DOMAINS[domain]) for _ in range(n)]
+
+
+def has_chat_template(tokenizer: object) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompts(tokenizer: object, prompts: list[str]) -> list[str]:
+    """Prompts rendered through the target's own chat template (as text; the server tokenizes),
+    or unchanged for a base model without one."""
+    if not has_chat_template(tokenizer):
+        return prompts
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in prompts]

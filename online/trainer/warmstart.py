@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +40,7 @@ from runtime.loader import LoadedModel
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, batch: int = 16,
@@ -67,6 +69,23 @@ def sampled_answers(target: LoadedModel, prompts: Sequence[list[int]], max_new_t
         raise ValueError(f"sampled answers need a temperature > 0, got {temperature}")
     return [t for n in range(passes) for t in answer_prompts(target, prompts, max_new_tokens, progress=progress,
                                                              temperature=temperature, seed=(n + 1) * 1_000_003)]
+
+
+def split_heldout(items: Sequence[T], heldout: int) -> tuple[list[T], list[T]]:
+    """(train, held out): the newest `heldout` items (at most a fifth of them) are held out."""
+    n_train = len(items) - min(heldout, len(items) // 5)
+    return list(items[:n_train]), list(items[n_train:])
+
+
+def answered_traces(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, heldout: int,
+                    sampled: int = 0, temperature: float = 0.0, progress: Callable[[int], None] | None = None
+                    ) -> tuple[list[RequestTrace], list[RequestTrace]]:
+    """(train, held out) from the target's greedy answers to `prompts` (the last `heldout`, at most
+    a fifth, held out), plus `sampled` answers at `temperature` per training prompt;
+    `progress(n)` after each chunk of len(prompts) + sampled * n_train requests."""
+    train, held = split_heldout(answer_prompts(target, prompts, max_new_tokens, progress=progress), heldout)
+    train += sampled_answers(target, prompts[: len(train)], max_new_tokens, sampled, temperature, progress=progress)
+    return train, held
 
 
 _MARKER = "\u2063LIVEDRAFT_USER_TURN\u2063"
