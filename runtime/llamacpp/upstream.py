@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import LivedraftError
+from runtime.inflight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +93,10 @@ class Upstream:
     version: str = "none"
     port: int = 0
     process: subprocess.Popen | None = None
-    served: int = 0  # requests finished here
     restarting: bool = False  # between a (re)start and its first healthy answer
     head_rule: tuple[Path, SpecParams] | None = None  # the head and rule the cost rule chose (RuleGuard)
-    _inflight: int = 0
     _retired: bool = False
-    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _inflight: InFlight = field(default_factory=InFlight)
     _tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     _reader: threading.Thread | None = None
 
@@ -215,14 +214,15 @@ class Upstream:
     # -- requests in flight (for a drain after a swap) ---------------------------------------
 
     def enter(self) -> None:
-        with self._cond:
-            self._inflight += 1
+        self._inflight.enter()
 
     def leave(self) -> None:
-        with self._cond:
-            self._inflight -= 1
-            self.served += 1
-            self._cond.notify_all()
+        self._inflight.leave()
+
+    @property
+    def served(self) -> int:
+        """Requests finished here."""
+        return self._inflight.finished
 
     @property
     def retired(self) -> bool:
@@ -231,11 +231,9 @@ class Upstream:
     def retire(self, timeout_s: float = 300.0) -> None:
         """Blocks until nothing is in flight here (or `timeout_s`), then stops the process."""
         self._retired = True
-        with self._cond:
-            drained = self._cond.wait_for(lambda: self._inflight == 0, timeout_s)
-        if not drained:
+        if not self._inflight.drain(timeout_s):
             log.warning("llama-server of drafter %s still had %d request(s) after %.0fs; stopping it",
-                        self.version, self._inflight, timeout_s)
+                        self.version, self._inflight.count, timeout_s)
         self.stop()
         log.info("llama-server of drafter %s stopped after %d request(s)", self.version, self.served)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import tomllib
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 
 from runtime.errors import LivedraftError
 from runtime.hotswap import HotSwapper
+from runtime.inflight import InFlight
 from runtime.serve.backend import ServingBackend
 from runtime.serve.fairqueue import FairQueue
 from runtime.serve.http import HttpServer, build_app
@@ -121,8 +121,7 @@ class CompletionServer:
             sink=sink, queue_depth=lambda: len(self.queue), running=lambda: backend.running,
             dead_letters=dead_letters,
         )
-        self._inflight = 0
-        self._inflight_cond = threading.Condition()
+        self.inflight = InFlight()  # requests the HTTP layer is answering (entered / left there)
         o = self.options
         self.http = HttpServer(build_app(self), o.host, o.port, keep_alive_s=o.keep_alive_s,
                                header_timeout_s=o.header_timeout_s, max_header_bytes=o.max_header_bytes)
@@ -160,8 +159,7 @@ class CompletionServer:
         the socket. Blocks up to `timeout_s`; returns False when requests were still running."""
         deadline = time.monotonic() + timeout_s
         self.worker.stop_accepting()
-        with self._inflight_cond:
-            drained = self._inflight_cond.wait_for(lambda: self._inflight == 0, timeout_s)
+        drained = self.inflight.drain(timeout_s)
         for job in self.worker.close():  # only left when the wait timed out
             job.cancelled = True
             EngineWorker.finish(job)
@@ -178,13 +176,10 @@ class CompletionServer:
         return self.worker.submit(req, client)
 
     def enter(self) -> None:
-        with self._inflight_cond:
-            self._inflight += 1
+        self.inflight.enter()
 
     def leave(self) -> None:
-        with self._inflight_cond:
-            self._inflight -= 1
-            self._inflight_cond.notify_all()
+        self.inflight.leave()
 
     async def durable(self, job: Job) -> None:
         """With durable_traces: returns once the sink has flushed (the job's trace with it)."""
