@@ -31,6 +31,7 @@ class DrafterKind:
     # the shared structure it drafts from: "suffix" / "ngram" (the traffic cache online/cache
     # maintains) or "bridge" (the vocabulary bridge); None: its own state only
     cache: str | None = None
+    llama_server: bool = False  # llama-server can serve it (`serve --engine llama-server`): a head as GGUF, or none
 
     @property
     def learned(self) -> bool:
@@ -45,14 +46,14 @@ class DrafterKind:
 
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
-    DrafterKind("eagle", "_eagle", forward=True, trainer="eagle", features=True),
+    DrafterKind("eagle", "_eagle", forward=True, trainer="eagle", features=True, llama_server=True),
     DrafterKind("model", "_model", forward=True, trainer="distill"),
     DrafterKind("crossvocab", "_crossvocab", forward=True, trainer="crossvocab", cache="bridge"),
     DrafterKind("hybrid", "_hybrid", forward=True, cache="suffix"),
     DrafterKind("suffix", "_suffix", forward=False, cache="suffix"),
     DrafterKind("ngram", "_ngram", forward=False, cache="ngram"),
     DrafterKind("lookup", "_lookup", forward=False),
-    DrafterKind("none", "_none", forward=False),
+    DrafterKind("none", "_none", forward=False, llama_server=True),
 )}
 MODEL_FREE = tuple(name for name, k in KINDS.items() if not k.forward)  # drafting costs no forward pass
 

@@ -356,3 +356,17 @@ def test_a_head_that_does_not_pay_on_live_traffic_is_switched_off_then_tried_aga
         assert h.guard.switches == 2
     finally:
         h.stop(10)
+
+
+def test_serve_on_llama_server_refuses_a_kind_it_cannot_serve(tmp_path, capsys):
+    """The kinds llama-server serves come from their registrations, and any other is one clear line
+    before anything starts."""
+    from online.cli import main
+    from runtime.drafter_kinds import KINDS
+
+    assert sorted(k for k, v in KINDS.items() if v.llama_server) == ["eagle", "none"]
+    for kind in ("suffix", "model", "hybrid"):
+        assert main(["serve", "--engine", "llama-server", "--target", str(tmp_path / "t.gguf"),
+                     "--drafter-kind", kind, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"serves eagle or none drafters, not --drafter-kind {kind}" in err and "Traceback" not in err

@@ -149,10 +149,12 @@ def run_llama_server(args: argparse.Namespace, cfg: Config) -> int:
         start_llama_serving,
     )
     from online.stream import open_sink
+    from runtime.drafter_kinds import KINDS, kind_of
 
-    if args.drafter_kind not in (None, "eagle", "none"):
-        raise LivedraftError(f"--engine llama-server serves EAGLE-3 heads (or none), not --drafter-kind "
-                             f"{args.drafter_kind}")
+    if args.drafter_kind is not None and not kind_of(args.drafter_kind).llama_server:
+        raise LivedraftError(f"--engine llama-server serves "
+                             f"{' or '.join(k for k, v in KINDS.items() if v.llama_server)} drafters, not "
+                             f"--drafter-kind {args.drafter_kind}")
     target = resolve_llama_target(args.target, cfg)
     tokenizer = AutoTokenizer.from_pretrained(target.hf_dir)
     factory = UpstreamFactory(cfg, target, binary=args.llama_server)
