@@ -13,7 +13,10 @@ number of tokens it drafted (`CostModel`). A drafter that does not pay is switch
 (k = 0) and probed with one draft token every `probe_every` steps, so a drafter that
 starts paying (a hot-swapped version, a repetitive stretch for a suffix cache) is
 noticed. Probes are spaced further apart when they are dear: their extra seconds, spread over
-the steps between them, stay under `probe_budget` of a step that drafts nothing.
+the steps between them, stay under `probe_budget` of a step that drafts nothing. Once a proven
+version's best k is 0, the request keeps k = 0 for `recheck_every` steps before it weighs every
+k again (probes stay on their schedule): on a small target the weighing itself is a few percent
+of a step, and a decision that did not draft changes no counts.
 
 Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
 all its requests) drafts only probes: one token at a request's first step (while that token is
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -55,6 +59,7 @@ class DraftLengthConfig:
     probe_every: int = 8  # adaptive: with k = 0 best, draft one token every this many steps
     min_evidence: int = 16  # adaptive: drafted positions a version needs before k > 1 (module docstring)
     probe_budget: float = 0.02  # adaptive: probes' extra seconds, spread over the steps between them, per step
+    recheck_every: int = 4  # adaptive: a proven version's "draft nothing" is re-decided every this many steps
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -207,6 +212,7 @@ class DraftLengthController:
         self.since_draft = 0  # steps since this request last drafted
         self.last_hit = False  # this request's last step drafted and every drafted token was accepted
         self.last_drafted = 0  # tokens this request's last step drafted
+        self.idle_for = 0  # steps left before a proven version's "draft nothing" is weighed again
 
     @property
     def min_confidence(self) -> float:
@@ -265,8 +271,8 @@ class DraftLengthController:
     def proven(self) -> bool:
         return self.evidence() >= self.config.min_evidence
 
-    def wants_probe(self, every: int | None = None) -> bool:
-        """A probe is due (`probe_width` tokens): `every` (default probe_every) steps without
+    def wants_probe(self, every: Callable[[], int] | None = None) -> bool:
+        """A probe is due (`probe_width` tokens): `every()` (default probe_every) steps without
         drafting; for a version still unproven also at once after a probe was accepted (evidence,
         gathered while it pays) and at a request's first step until the version's first drafted
         token is judged (FIRST_PROBES) and while it is accepted at least as often as not — a
@@ -274,7 +280,9 @@ class DraftLengthController:
         draft in a request runs the whole prompt through it)."""
         if not self.proven() and (self.last_hit or (not self.own.reached and self._first_token_pays())):
             return True
-        return self.since_draft + 1 >= (every or self.config.probe_every)
+        if self.since_draft + 1 < self.config.probe_every:  # never sooner, however cheap probes are
+            return False
+        return every is None or self.since_draft + 1 >= every()
 
     def _first_token_pays(self) -> bool:
         reached, passed = self.version_counts.get(0)
@@ -302,16 +310,26 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
     Before the target's cost is measured, probes only (that step measures it)."""
     n = len(controllers)
     caps = [min(c.config.k, max(r, 0)) for c, r in zip(controllers, remaining, strict=True)]
-    curves = [c.expected_tokens(cap) for c, cap in zip(controllers, caps, strict=True)]
+    curves: list[list[float]] = [[1.0]] * n  # E(k) per row, computed where k > 0 is weighed
     version = versions[0] if len(set(versions)) == 1 else ""
     own, probing = [], 0  # probing: the widest probe due this step
-    for c, curve, v in zip(controllers, curves, versions, strict=True):
-        best = _argmax_rate(curve, lambda k, v=v: costs.step_seconds(v, 1, k)) if c.proven() else 0
-        if best == 0 and len(curve) > 1 and c.wants_probe(_probe_interval(c.config, costs, v)):
-            best = c.probe_width(len(curve) - 1)
+    for i, (c, cap, v) in enumerate(zip(controllers, caps, versions, strict=True)):
+        best, proven = 0, c.proven()  # an unproven version drafts its probes only
+        if proven and c.idle_for > 0:  # decided "draft nothing" a few steps ago: E(0) = 1 is all it needs
+            c.idle_for -= 1
+        elif proven:
+            curves[i] = c.expected_tokens(cap)
+            best = _argmax_rate(curves[i], lambda k, v=v: costs.step_seconds(v, 1, k))
+            if best == 0:
+                c.idle_for = c.config.recheck_every - 1
+        if best == 0 and cap > 0 and c.wants_probe(lambda c=c, v=v: _probe_interval(c.config, costs, v)):
+            best = c.probe_width(cap)
             probing = max(probing, best)
+            curves[i] = c.expected_tokens(cap)
         own.append(best)
     top = max(own, default=0)
+    if top == 0:
+        return own
 
     def batch_rate(k_cap: int) -> float | None:
         secs = costs.step_seconds(version, n, k_cap)

@@ -57,6 +57,24 @@ def test_a_useless_drafter_is_switched_off_and_probed():
     assert choose_lengths([good], [3], ["v"], costs) == [3]  # never beyond what is still useful
 
 
+def test_a_switched_off_version_is_weighed_again_every_few_steps():
+    """Once a proven version's best k is 0, a request keeps k = 0 for recheck_every steps without
+    weighing every k (on a small target the weighing is a few percent of a step), then weighs
+    again: a version that started paying meanwhile drafts again. Probes keep their schedule."""
+    costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.15)
+    c = controller(0.0)
+    every = c.config.recheck_every
+    assert every > 1 and choose_lengths([c], [50], ["v"], costs) == [0]
+    for _ in range(200):  # it turns good: nothing weighs that until the re-weighing is due
+        c.update(6, 6)
+    c.last_hit = False
+    assert [choose_lengths([c], [50], ["v"], costs)[0] for _ in range(every)] == [0] * (every - 1) + [6]
+    bad = controller(0.0)
+    assert choose_lengths([bad], [50], ["v"], costs) == [0] and bad.idle_for > 0
+    bad.since_draft = bad.config.probe_every - 1
+    assert choose_lengths([bad], [50], ["v"], costs) == [1]  # idle, and its probe is due all the same
+
+
 def test_k_shrinks_as_verification_gets_dearer():
     good = [controller(0.75) for _ in range(8)]
     cheap = CostModel.synthetic(draft_ratio=0.02, verify_slope=0.02)
@@ -166,7 +184,7 @@ def test_a_good_new_version_earns_full_k_after_its_evidence():
     assert min(ks[4:-4]) == 8, ks
 
 
-def test_untrained_eagle_head_switches_itself_off(stories, tmp_path):  # sketch: not run yet
+def test_untrained_eagle_head_switches_itself_off(stories, tmp_path):
     from online.trainer.eagle import choose_draft_vocab, init_head, save_head
     from runtime.drafters.factory import load_feature_drafter
     from runtime.drafters.none import NoDrafter
