@@ -25,6 +25,7 @@ from typing import Any
 
 from runtime.engine import STOP_STRING, GenerationResult
 from runtime.errors import RequestError
+from runtime.inflight import InFlight
 from runtime.llamacpp.upstream import Upstream, UpstreamError
 from runtime.serve.fairqueue import FairQueue, QueueFull
 from runtime.serve.worker import CompletionRequest, EngineWorker, Job
@@ -59,8 +60,7 @@ class LlamaServerWorker:
         self.restarts = 0
         self._accepting = True
         self._free = threading.Semaphore(max_batch)
-        self._running = 0
-        self._lock = threading.Lock()
+        self._jobs = InFlight()  # jobs being forwarded now
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._restart_lock = threading.Lock()
@@ -73,7 +73,7 @@ class LlamaServerWorker:
 
     @property
     def running(self) -> int:
-        return self._running
+        return self._jobs.count
 
     def drafter_version(self) -> str:
         return self.slot.get().version
@@ -148,8 +148,7 @@ class LlamaServerWorker:
                 time.sleep(1.0)
 
     def _serve(self, job: Job) -> None:
-        with self._lock:
-            self._running += 1
+        self._jobs.enter()
         up = self.slot.get() if job.req.speculate else self._target_only()
         up.enter()
         try:
@@ -164,8 +163,7 @@ class LlamaServerWorker:
             job.error = (500, "server_error", "internal error while generating; see server log")
         finally:
             up.leave()
-            with self._lock:
-                self._running -= 1
+            self._jobs.leave()
             self._free.release()
             # as in our engine: what a request did is recorded (metrics, traces, the guard) before its
             # client is answered, so a client that reads /metrics after its answer sees its request
