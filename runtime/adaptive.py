@@ -325,7 +325,8 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
         if best == 0 and cap > 0 and c.wants_probe(lambda c=c, v=v: _probe_interval(c.config, costs, v)):
             best = c.probe_width(cap)
             probing = max(probing, best)
-            curves[i] = c.expected_tokens(cap)
+            if len(curves[i]) == 1:  # not weighed above this step
+                curves[i] = c.expected_tokens(cap)
         own.append(best)
     top = max(own, default=0)
     if top == 0:
