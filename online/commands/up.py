@@ -17,8 +17,6 @@ from online.commands.engine import add_engine_arguments
 from online.config import Config, load_config
 from online.loading import add_model_arguments
 
-log = logging.getLogger(__name__)
-
 # `--demo` defaults, applied only to keys still at their built-in default (a config file or
 # LIVEDRAFT_* variable wins): small windows and short rounds so a round lands within a minute
 # or two on a laptop CPU.

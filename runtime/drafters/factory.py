@@ -4,7 +4,6 @@ whose `builder` names one of the functions below."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,6 @@ class DrafterConfig:
     # drafter translates by text only). None builds an empty one of defaults (suffix, ngram).
     cache: Any = None
     hybrid_threshold: float = 1.0  # hybrid: use the suffix draft when its score (expected accepted tokens) >= this
-
-
-Builder = Callable[[DrafterConfig, "LoadedModel | None", "str | os.PathLike | None"], Drafter]
 
 
 def _model(cfg: DrafterConfig, target: LoadedModel | None, cache_dir: str | os.PathLike | None) -> Drafter:
