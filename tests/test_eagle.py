@@ -459,3 +459,12 @@ def test_the_heads_confidence_predicts_acceptance(stories, stories_eagle_dir, ea
     sure, n_sure = pooled(bins[-1:])  # >= 0.9
     assert n_unsure >= 60 and n_sure >= 60, bins
     assert sure > unsure + 0.15, bins
+
+
+def test_train_minutes_without_steps_trains_for_the_time_given():
+    """`--minutes 25` alone must not stop at the default 600 steps; --steps caps it where given."""
+    from online.commands.drafter import UNBOUNDED, training_steps
+
+    assert training_steps(None, 25.0) == UNBOUNDED
+    assert training_steps(None, 0.0) == 600
+    assert training_steps(50, 25.0) == 50

@@ -12,6 +12,14 @@ from online.config import MIXED_PRECISION, load_config
 from online.loading import add_model_arguments
 from runtime.errors import LivedraftError
 
+UNBOUNDED = 1_000_000  # --minutes without --steps: the time budget alone ends training
+
+
+def training_steps(steps: int | None, minutes: float) -> int:
+    """`drafter train`'s step cap: --steps where given; else none under a time budget (--minutes
+    means train that long), else 600."""
+    return steps if steps is not None else (UNBOUNDED if minutes > 0 else 600)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drafter", help="drafter tools: init, train (eagle warm start), export, and the registry: "
@@ -54,8 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="temperature of the --sampled answers (default 0.8)")
     train.add_argument("--limit", type=int, help="--traffic: the most recent N traces")
     train.add_argument("--heldout", type=int, default=32, help="newest traces held out for the acceptance curve")
-    train.add_argument("--minutes", type=float, default=0.0, help="training time budget (0: --steps only)")
-    train.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    train.add_argument("--minutes", type=float, default=0.0,
+                       help="training time budget: trains until it is spent, or until --steps if given first "
+                            "(0: --steps only)")
+    train.add_argument("--steps", type=int, default=None,
+                       help="optimizer steps (default 600; no limit with --minutes)")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--draft-vocab", type=int, default=8192)
@@ -181,7 +192,8 @@ def train_drafter(args: argparse.Namespace) -> int:
 
         train, heldout = split_heldout(load_traffic(args.traffic, limit=args.limit), args.heldout)
     tcfg = cfg.trainer
-    tcfg.steps, tcfg.batch_size, tcfg.lr = args.steps, args.batch_size, args.lr
+    steps = training_steps(args.steps, args.minutes)
+    tcfg.steps, tcfg.batch_size, tcfg.lr = steps, args.batch_size, args.lr
     tcfg.max_seconds, tcfg.draft_vocab = args.minutes * 60, args.draft_vocab
     tcfg.mixed_precision = args.mixed_precision or tcfg.mixed_precision
     bars: dict[str, tqdm] = {}
@@ -193,7 +205,8 @@ def train_drafter(args: argparse.Namespace) -> int:
             bar = bars.setdefault("f", tqdm(total=data["total"], desc="target features", unit="trace", file=sys.stderr))
             bar.update(data["done"] - bar.n)
         elif event == "step":
-            bar = bars.setdefault("s", tqdm(total=tcfg.steps, desc="training", unit="step", file=sys.stderr))
+            total = None if steps == UNBOUNDED else steps  # a time budget alone: a count, not a bar
+            bar = bars.setdefault("s", tqdm(total=total, desc="training", unit="step", file=sys.stderr))
             bar.update(1)
             bar.set_postfix(loss=f"{data['loss']:.3f}", heldout_mal=held_mal)
         elif event == "eval":
