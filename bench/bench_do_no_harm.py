@@ -63,15 +63,20 @@ def read_prompts(spec: str, chat: bool) -> list[str]:
 
 
 def cpu() -> str:
-    """The CPU's model name and widest vector extension (the cost rule's outcome depends on both)."""
+    """The CPU's model name, its widest vector extension and the one torch's kernels use (the
+    cost rule's outcome depends on all three; `ATEN_CPU_CAPABILITY=avx2` and
+    `MKL_ENABLE_INSTRUCTIONS=AVX2` hold an AVX-512 machine to AVX2 kernels)."""
+    kernels = torch.backends.cpu.get_cpu_capability()
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    kernels += f", MKL {mkl}" if mkl else ""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
+        return f"{platform.processor() or platform.machine()} (torch kernels {kernels})"
     model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{model} ({simd})"
+    return f"{model} ({simd}; torch kernels {kernels})"
 
 
 def encode(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
