@@ -29,7 +29,7 @@ from runtime.llamacpp import (
     installed_dirs,
     is_installed,
 )
-from runtime.llamacpp.build import _forget_other_source, find_toolchain
+from runtime.llamacpp.build import NO_AMX, _forget_other_source, cmake_options, find_toolchain
 from runtime.llamacpp.fetch import select_sdist
 from runtime.llamacpp.install import STAMP
 
@@ -48,7 +48,8 @@ def _fake_install(root: Path) -> Path:
     _exe(root / "bin" / "llama-server")
     _exe(root / "bin" / "llama-bench")
     (root / "convert_hf_to_gguf.py").write_text("")
-    (root / STAMP).write_text(json.dumps({"version": root.name, "source": "test"}))
+    (root / STAMP).write_text(json.dumps({"version": root.name, "source": "test",
+                                          "cmake_options": list(cmake_options())}))
     return root
 
 
@@ -222,6 +223,28 @@ def test_force_rebuilds_and_an_incomplete_install_is_not_reused(tmp_path):
     assert not is_installed(dest)
     with pytest.raises(LivedraftError, match="needs cmake"):
         install_llama_cpp(dest, say=lambda m: None, which=lambda name: None)
+
+
+def test_an_install_built_with_other_options_is_rebuilt(tmp_path):
+    """A complete install from an older livedraft (here: before the AMX kernels were left out) is
+    rebuilt by `install`, not reused as it is."""
+    dest = _fake_install(tmp_path / "inst")
+    stamp = json.loads((dest / STAMP).read_text())
+    (dest / STAMP).write_text(json.dumps({**stamp, "cmake_options": ["-DCMAKE_BUILD_TYPE=Release"]}))
+    said = []
+    with pytest.raises(LivedraftError, match="needs cmake"):  # it went on to build
+        install_llama_cpp(dest, say=said.append, which=lambda name: None)
+    assert any("built with other cmake options" in m for m in said)
+
+
+@pytest.mark.parametrize("machine, amx_off", [("x86_64", True), ("AMD64", True), ("aarch64", False)])
+def test_x86_builds_leave_out_the_amx_kernels(machine, amx_off):
+    """-march=native compiles llama.cpp's AMX kernels in where the CPU reports AMX, and they die of
+    SIGILL on some machines; the -mno-* flags are x86 options, never passed elsewhere."""
+    opts = cmake_options(machine)
+    assert "-DBUILD_SHARED_LIBS=OFF" in opts
+    assert (f"-DCMAKE_CXX_FLAGS={NO_AMX}" in opts and f"-DCMAKE_C_FLAGS={NO_AMX}" in opts) == amx_off
+    assert not any("amx" in o for o in opts) or amx_off
 
 
 def test_a_build_tree_of_another_source_is_started_afresh(tmp_path):

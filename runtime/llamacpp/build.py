@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 import shutil
 import subprocess
@@ -24,6 +25,19 @@ CMAKE_OPTIONS = (
     # and on a registry-only network each try waits for DNS to fail
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
+# llama.cpp's AMX kernels, which -march=native compiles in wherever the CPU reports AMX, die of SIGILL
+# at their first tile instruction on some machines (quantized models on a 2-core Xeon VM with AMX,
+# llama.cpp 11434; upstream: ggml-org/llama.cpp PR 26954). They speed up prompt processing of large
+# quantized models, which livedraft's targets do not need; every other kernel still fits the CPU.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_options(machine: str | None = None) -> tuple[str, ...]:
+    """The configure options for this machine (`platform.machine()` unless given): on x86-64, the
+    native build without AMX kernels (GCC lets an explicit -mno-* override -march=native)."""
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        return (*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+    return CMAKE_OPTIONS
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")  # Makefile generator progress: "[ 42%] Building ..."
 
 
@@ -61,7 +75,7 @@ def build(source: Path, build_dir: Path, *, jobs: int, log_path: Path, tools: To
     build_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:  # one attempt per log: its first error is this attempt's
         say(f"configuring (cmake); log: {log_path}")
-        _run([tools.cmake, "-S", str(source.resolve()), "-B", str(build_dir), *CMAKE_OPTIONS], log, log_path,
+        _run([tools.cmake, "-S", str(source.resolve()), "-B", str(build_dir), *cmake_options()], log, log_path,
              "configure", say)
         say(f"building {', '.join(TARGETS)} with {jobs} job(s) (about 10 min on 2 cores)")
         _run([tools.cmake, "--build", str(build_dir), "--target", *TARGETS, "-j", str(jobs)], log, log_path,

