@@ -27,6 +27,9 @@ from runtime.errors import LivedraftError
 from runtime.inflight import InFlight
 
 log = logging.getLogger(__name__)
+SIGILL_HINT = (" (an illegal instruction: this llama-server runs kernels this CPU cannot; a binary built "
+               "elsewhere, or by an older livedraft, which kept llama.cpp's AMX kernels: "
+               "`livedraft engine install llama-server --force` builds one here)")
 
 
 class UpstreamError(LivedraftError):
@@ -134,8 +137,9 @@ class Upstream:
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive:
-                raise UpstreamError(f"llama-server exited with code {self.process.returncode} while starting: "
-                                    f"{self.last_words()}")
+                code = self.process.returncode
+                hint = SIGILL_HINT if code in (-signal.SIGILL, 128 + signal.SIGILL) else ""
+                raise UpstreamError(f"llama-server exited with code {code} while starting{hint}: {self.last_words()}")
             if self.healthy():
                 return
             if time.monotonic() > deadline:
