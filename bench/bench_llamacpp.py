@@ -5,7 +5,11 @@ llama-server alone on the f32 GGUF and on the packaged Q4_1 GGUF; per `--head DI
 head) the head under livedraft's cost rule (its acceptance per position measured on separate
 calibration prompts with a fixed n-max 3 run, then `choose_spec` with this machine's step costs
 measured on llama-server: no head where it does not pay) and the head at llama-server's fixed n-max 3;
-llama.cpp's own n-gram drafting (`ngram-mod`, `ngram-simple`); and our engine, target only. For
+llama.cpp's own n-gram drafting (`ngram-mod`, `ngram-simple`); and our engine, target only. Where
+the cost rule serves a head, a "+ live check" row replays what serving adds (`RuleGuard`): over the
+prompts in order, the cost rule's requests until a window of them (requests or decoding steps)
+gave under 1.0x by llama-server's counts, then the head-less restart's, whose command line is
+llama-server alone's, so that row's requests stand for it. For
 each prompt every row runs back to back (interleaved, so machine drift hits all rows alike); the
 table reports the median over prompts of tokens/s, its ratio to llama-server alone (f32), drafted
 and accepted tokens, and the head's cost per drafted token as a fraction of a target step.
@@ -27,13 +31,14 @@ from pathlib import Path
 from bench.bench_engine import PROMPTS
 from online.commands.engine import llamacpp_locations
 from online.config import load_config
-from online.serving.llama import UpstreamFactory, head_gguf, resolve_llama_target
+from online.serving.llama import RuleGuard, UpstreamFactory, head_gguf, resolve_llama_target
 from runtime.llamacpp.binary import find_llama_bench
 from runtime.llamacpp.costs import (
     acceptance_from_counts,
     choose_spec,
     draft_cost,
     measure_forward_costs,
+    served_speedup,
 )
 from runtime.llamacpp.upstream import LaunchSpec, SpecParams, Upstream
 from runtime.loader import PACKAGED, _packaged_file
@@ -108,7 +113,7 @@ def main() -> None:
     launches: dict[str, LaunchSpec] = {BASE: factory.launch()}
     if q4 is not None:
         launches[f"llama-server alone ({q4.stem})"] = LaunchSpec(**{**factory.launch().__dict__, "model": q4})
-    notes = {}
+    notes, guarded = {}, {}
     for d in args.head:
         head = head_gguf(Path(d), target)
         steps = factory.step_costs(head)
@@ -118,6 +123,8 @@ def main() -> None:
         name = Path(d).name
         launches[f"{name}, cost rule"] = factory.launch(head if spec.n_max else None, spec)
         launches[f"{name}, fixed n-max 3"] = fixed
+        if spec.n_max:
+            guarded[f"{name}, cost rule + live check"] = (f"{name}, cost rule", steps, spec.n_max)
         notes[name] = {"step_cost_C(1..4)": [round(steps.ratio(n), 3) for n in range(1, steps.max_n + 1)],
                        "draft_cost_per_token_at_n3": round(draft_cost(steps, forward, 3), 4),
                        "calibrated_acceptance": [round(a, 3) for a in acc],
@@ -154,7 +161,27 @@ def main() -> None:
     finally:
         for up in ups.values():
             up.stop()
+    for name, (ruled, steps, n_max) in guarded.items():
+        rows[name], switched = live_check(rows[ruled], rows[BASE], steps, n_max)
+        notes.setdefault(ruled.split(",")[0], {})["live_check_head_off_from_request"] = switched
     report(rows, notes, forward, args)
+
+
+def live_check(ruled: list[dict], alone: list[dict], steps, n_max: int) -> tuple[list[dict], int | None]:
+    """The requests a server with `RuleGuard` would have timed: the cost rule's, until a window
+    of them (`RuleGuard.WINDOW` requests or `WINDOW_STEPS` steps) served under `FLOOR` by
+    llama-server's counts, then llama-server alone's (the head-less restart is its command line).
+    Returns the rows and the 1-based request from which the head is off (None: never)."""
+    out, tokens, n_steps, drafted, n = [], 0, 0, 0, 0
+    for i, r in enumerate(ruled):
+        out.append(r)
+        n, tokens, drafted = n + 1, tokens + r["tokens"], drafted + r["drafted"]
+        n_steps += r["tokens"] - r["accepted"]
+        if n >= RuleGuard.WINDOW or n_steps >= RuleGuard.WINDOW_STEPS:
+            if served_speedup(tokens, n_steps, drafted, steps, n_max) < RuleGuard.FLOOR:
+                return out + alone[i + 1:], i + 2
+            n = tokens = n_steps = drafted = 0
+    return out, None
 
 
 def report(rows: dict, notes: dict, costs, args) -> None:

@@ -358,6 +358,40 @@ def test_a_head_that_does_not_pay_on_live_traffic_is_switched_off_then_tried_aga
         h.stop(10)
 
 
+def test_an_upstream_killed_by_an_illegal_instruction_says_how_to_get_one_that_runs(tmp_path):
+    """A binary built for another CPU (or one with llama.cpp's AMX kernels, which die on some
+    machines) is named for what it is, with the command that builds one here."""
+    from runtime.llamacpp.upstream import LaunchSpec, UpstreamError
+
+    bad = tmp_path / "llama-server"
+    bad.write_text("#!/bin/sh\necho 'load_model: loading model' >&2\nkill -ILL $$\n")
+    bad.chmod(0o755)
+    up = Upstream(LaunchSpec(binary=bad, model=tmp_path / "t.gguf"))
+    with pytest.raises(UpstreamError, match=r"while starting \(an illegal instruction: .*engine install llama-server "
+                                            r"--force.*\): .*loading model"):
+        up.start(10)
+
+
+def test_the_live_check_weighs_decoding_steps_before_a_window_of_requests(llama, head_gguf):
+    """Long answers give evidence in fewer requests: with a window of requests never reached, the
+    check still comes once the head's requests have decoded `window_steps` steps."""
+    _, _, tok, factory = llama
+    up = factory.start("1", head_gguf, [1.0, 1.0, 1.0, 1.0])
+    h = _serve(llama, upstream=up)
+    h.guard.window, h.guard.window_steps = 1000, 40
+    try:
+        prompt = _ids(tok, PROMPTS[2])
+        for _ in range(2):  # 2 x 16 tokens, one per step (the untrained head is never right): 32 steps
+            assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200
+        time.sleep(0.5)
+        assert h.slot.get() is up and h.guard.switches == 0
+        assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200  # 48 steps >= 40
+        wait_until(lambda: h.slot.get().launch.head is None, timeout_s=60, what="the head to be switched off")
+        assert h.guard.switches == 1
+    finally:
+        h.stop(10)
+
+
 def test_serve_on_llama_server_refuses_a_kind_it_cannot_serve(tmp_path, capsys):
     """The kinds llama-server serves come from their registrations, and any other is one clear line
     before anything starts."""

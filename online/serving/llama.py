@@ -133,15 +133,18 @@ class UpstreamFactory:
 
 class RuleGuard:
     """Do no harm, live: the rule a version was started with rests on its replay acceptance, measured
-    on past traffic. Every `window` requests the serving upstream's own counts (llama-server's
-    drafted / accepted) say what drafting gave; where that is under `floor` of the target alone, the
-    version is restarted without its head (the same swap as a new version: start, health, route,
-    drain), and every `reprobe` requests after that its rule is tried again."""
+    on past traffic. Every `window` requests or `window_steps` decoding steps, whichever comes
+    first (long answers give evidence in fewer requests), the serving upstream's own counts
+    (llama-server's drafted / accepted) say what drafting gave; where that is under `floor` of the
+    target alone, the version is restarted without its head (the same swap as a new version:
+    start, health, route, drain), and every `reprobe` requests after that its rule is tried again."""
 
-    def __init__(self, factory: UpstreamFactory, slot: DrafterSlot, *, window: int = 24, floor: float = 1.0,
-                 reprobe: int = 256) -> None:
+    WINDOW, WINDOW_STEPS, FLOOR, REPROBE = 24, 512, 1.0, 256
+
+    def __init__(self, factory: UpstreamFactory, slot: DrafterSlot, *, window: int = WINDOW,
+                 window_steps: int = WINDOW_STEPS, floor: float = FLOOR, reprobe: int = REPROBE) -> None:
         self.factory, self.slot = factory, slot
-        self.window, self.floor, self.reprobe = window, floor, reprobe
+        self.window, self.window_steps, self.floor, self.reprobe = window, window_steps, floor, reprobe
         self.switches = 0
         self._lock = threading.Lock()
         self._counts: dict[int, list[int]] = {}  # id(upstream) -> [requests, tokens, steps, drafted]
@@ -154,16 +157,20 @@ class RuleGuard:
             c = self._counts.setdefault(id(up), [0, 0, 0, 0])
             c[0] += 1
             c[1], c[2], c[3] = c[1] + stats.output_tokens, c[2] + stats.steps, c[3] + stats.drafted
-            due = c[0] >= (self.window if up.launch.head is not None else self.reprobe) and not self._busy
+            if up.launch.head is not None:
+                due = c[0] >= self.window or c[2] >= self.window_steps
+            else:
+                due = c[0] >= self.reprobe
+            due = due and not self._busy
             if not due:
                 return
             self._busy = True
             requests, tokens, steps, drafted = c
             self._counts.pop(id(up))
-        threading.Thread(target=self._check, args=(up, tokens, steps, drafted), name="livedraft-rule-guard",
+        threading.Thread(target=self._check, args=(up, requests, tokens, steps, drafted), name="livedraft-rule-guard",
                          daemon=True).start()
 
-    def _check(self, up: Upstream, tokens: int, steps: int, drafted: int) -> None:
+    def _check(self, up: Upstream, requests: int, tokens: int, steps: int, drafted: int) -> None:
         try:
             head, spec = up.head_rule
             if up.launch.head is not None:
@@ -172,7 +179,7 @@ class RuleGuard:
                     return
                 log.warning("drafter %s on llama-server gave %.2fx the target alone over its last %d requests: "
                             "serving it without its head (its rule is tried again after %d requests)",
-                            up.version, gain, self.window, self.reprobe)
+                            up.version, gain, requests, self.reprobe)
                 new = Upstream(self.factory.launch(None, NO_HEAD), version=up.version, head_rule=up.head_rule)
             else:
                 log.info("drafter %s on llama-server: trying its head again (n-max %d)", up.version, spec.n_max)
