@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 import urllib.request
 from pathlib import Path
 
+from bench.bench_do_no_harm import cpu
 from bench.bench_engine import PROMPTS
 from online.commands.engine import llamacpp_locations
 from online.config import load_config
@@ -188,7 +188,7 @@ def report(rows: dict, notes: dict, costs, args) -> None:
     tps = {name: statistics.median(r["tokens"] / r["s"] for r in rs) for name, rs in rows.items()}
     base_out = [r["out"] for r in rows[BASE]]
     load = os.getloadavg()[0]
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
+    print(f"\nmachine: {cpu()}, {os.cpu_count()} cores, load average "
           f"{load:.1f}; {args.threads} threads; {len(base_out)} chat prompts x {args.max_new_tokens} tokens, greedy")
     print("target forward cost T(n)/T(1), n = 1..5 (llama-bench): "
           + " ".join(f"{costs.ratio(n):.2f}" for n in range(1, 6)))

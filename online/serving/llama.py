@@ -139,7 +139,7 @@ class RuleGuard:
     target alone, the version is restarted without its head (the same swap as a new version:
     start, health, route, drain), and every `reprobe` requests after that its rule is tried again."""
 
-    WINDOW, WINDOW_STEPS, FLOOR, REPROBE = 24, 512, 1.0, 256
+    WINDOW, WINDOW_STEPS, FLOOR, REPROBE = 24, 128, 1.0, 256
 
     def __init__(self, factory: UpstreamFactory, slot: DrafterSlot, *, window: int = WINDOW,
                  window_steps: int = WINDOW_STEPS, floor: float = FLOOR, reprobe: int = REPROBE) -> None:
