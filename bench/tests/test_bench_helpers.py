@@ -171,3 +171,31 @@ def test_cached_requests_are_read_back_while_the_key_matches_and_made_again_when
     first = cached_requests(cache, {"n": 1}, make("a"))
     assert cached_requests(cache, {"n": 1}, make("b")) == first and made == ["a"]
     assert cached_requests(cache, {"n": 2}, make("c"))[0].tag == "c" and made == ["a", "c"]
+
+
+def test_written_pools_are_the_targets_own_prompts_begun_with_the_domains_openers(smollm2):
+    """As many distinct prompts as asked for, each begun with one of its domain's openers and the
+    rest written by the target (so no template repeats), seeded."""
+    from bench.traffic import OPENERS, written_pool
+
+    code = written_pool(smollm2, "code", 4, seed=1)
+    assert len(code) == len(set(code)) == 4
+    assert all(any(p.startswith(o) and len(p) >= len(o) + 12 for o in OPENERS["code"]) for p in code)
+    assert {o for o in OPENERS["code"] if any(p.startswith(o) for p in code)} == set(OPENERS["code"])
+    assert written_pool(smollm2, "code", 4, seed=1) == code
+    with pytest.raises(ValueError, match="unknown domain 'poetry'"):
+        written_pool(smollm2, "poetry", 2)
+
+
+def test_the_code_split_never_measures_on_a_prompt_or_unseen_task_it_trains_on():
+    from bench.code_split import split
+    from bench.traffic import _CODE_TASKS
+
+    parts = split()
+    assert [len(parts[k]) for k in ("train", "calib", "eval-seen-tasks", "eval-unseen-tasks")] == [160, 6, 26, 48]
+    train = set(parts["train"])
+    assert all(train.isdisjoint(parts[k]) for k in ("calib", "eval-seen-tasks", "eval-unseen-tasks"))
+    tasks_in = lambda ps: {t for t in _CODE_TASKS if any(t in p for p in ps)}  # noqa: E731
+    assert tasks_in(parts["eval-unseen-tasks"]).isdisjoint(tasks_in(parts["train"]))
+    assert tasks_in(parts["eval-seen-tasks"]) <= tasks_in(parts["train"])
+    assert split() == parts
