@@ -62,6 +62,7 @@ from bench.traffic import (
     simulate_steps,
     start_run,
     teacher_forced_replay,
+    written_pool,
 )
 from online.config import TrainerConfig
 from online.trainer.distill import distill
@@ -96,12 +97,14 @@ def recovery(adapted: list[float], start: int, end: int, w: int) -> int | None:
 
 def load_traffic(target, args, cache: Path) -> list[Request]:
     key = {"target": target.model_id, "domains": args.domains, "per_domain": args.per_domain,
-           "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8}
+           "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8, "pool": args.pool}
 
     def answer() -> list[Request]:
         traffic: list[Request] = []
         for domain in args.domains.split(","):
-            ids = [chat_ids(target, p) for p in prompt_pool(domain, args.per_domain, seed=args.seed)]
+            n, seed = args.per_domain, args.seed
+            prompts = written_pool(target, domain, n, seed) if args.pool == "written" else prompt_pool(domain, n, seed)
+            ids = [chat_ids(target, p) for p in prompts]
             traffic += greedy_traffic(target, ids, args.max_new_tokens, tag=domain)
             log.info("target answered %d %s prompts", len(ids), domain)
         return traffic
@@ -116,6 +119,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--domains", default="stories,code,instructions")
     ap.add_argument("--per-domain", type=int, default=40)
+    ap.add_argument("--pool", choices=("templates", "written"), default="templates",
+                    help="the prompts: the built-in templates (stories 400, code 240, instructions 180 distinct), "
+                         "or written by the target itself per domain, as many as --per-domain asks "
+                         "(bench.traffic.written_pool)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--every", type=int, default=8, help="W: requests between training rounds")

@@ -142,6 +142,36 @@ def prompt_pool(domain: str, n: int, seed: int = 0) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
+# What a user turn of each domain starts with when the target writes the prompts itself
+# (`written_pool`): the target continues each opener, so the prompts stay in their domain without
+# a template a drafter could learn instead of the domain.
+OPENERS = {
+    "stories": ("Write a short story about", "Tell me a story in which", "Write a bedtime story for"),
+    "code": ("Write a Python function that", "Write a Python program that", "How do I write Python code to"),
+    "instructions": ("How do I", "Give me step-by-step instructions to", "What is the easiest way to"),
+    "topics": ("Explain", "What is", "Why does"),
+}
+OPENERS["general"] = tuple(o for d in ("stories", "code", "instructions", "topics") for o in OPENERS[d][:1])
+
+
+def written_pool(target: LoadedModel, domain: str, n: int, seed: int = 0) -> list[str]:
+    """`n` distinct chat prompts of one domain written by the chat target itself: its user turns
+    (Magpie) begun with the domain's openers in turn, sampled at temperature 1 (seeded). Unlike
+    `prompt_pool`, as many as asked for, none from a template."""
+    from online.trainer.warmstart import synthesize_prompts
+
+    if domain not in OPENERS:
+        raise ValueError(f"unknown domain {domain!r}: choose one of {tuple(OPENERS)}")
+    openers = OPENERS[domain]
+    per = [n // len(openers) + (i < n % len(openers)) for i in range(len(openers))]
+    out: list[str] = []
+    for i, (opener, m) in enumerate(zip(openers, per, strict=True)):
+        out += synthesize_prompts(target, m, opener=opener, seed=seed * 1009 + i, max_prompt_tokens=64)
+    rng = random.Random(f"{domain}-written-{seed}")
+    rng.shuffle(out)
+    return out
+
+
 def chat_ids(target: LoadedModel, prompt: str) -> list[int]:
     """`prompt` as a user turn in the target's chat template (as `livedraft generate --chat`)."""
     return encode(target.tokenizer, prompt, chat=True)

@@ -106,27 +106,30 @@ def user_turn_prefix(tokenizer: object) -> list[int]:
 
 
 def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 96, temperature: float = 1.0,
-                       seed: int = 0, batch: int = 16, min_chars: int = 12,
+                       seed: int = 0, batch: int = 16, min_chars: int = 12, opener: str = "",
                        progress: Callable[[int], None] | None = None) -> list[str]:
     """`n` distinct user prompts written by the instruct target itself (Magpie, Xu et al. 2024):
     the chat template up to the start of a user turn, sampled at `temperature` until the turn
     ends. A model's own user turns follow the distribution its instruction tuning saw, so a head
     warm-started on them is not tied to one prompt template. Kept: turns that ended (end of
     turn within `max_prompt_tokens`), at least `min_chars` long, each once; sampling goes on, in
-    seeded rounds, until `n` are kept (at most 8 rounds of n, else a LivedraftError)."""
+    seeded rounds, until `n` are kept (at most 8 rounds of n, else a LivedraftError). An `opener`
+    ("Write a Python function that") starts every turn: the target writes the rest, so prompts
+    stay in one domain and still do not follow a template."""
     if n <= 0:
         return []
     tok = target.tokenizer
     if tok is None:
         raise LivedraftError(f"target {target.model_id} has no tokenizer: prompts cannot be synthesized")
-    prefix = user_turn_prefix(tok)
+    prefix = user_turn_prefix(tok) + (list(tok(opener, add_special_tokens=False).input_ids) if opener else [])
     kept: dict[str, None] = {}
     for rnd in range(8):
         traces = answer_prompts(target, [prefix] * (n - len(kept)), max_prompt_tokens, batch=batch,
                                 temperature=temperature, seed=seed + rnd * 1_000_003)
         for t in traces:
-            text = tok.decode(t.output_ids, skip_special_tokens=True).strip()
-            if t.finish_reason == "stop" and len(text) >= min_chars and text not in kept and len(kept) < n:
+            written = tok.decode(t.output_ids, skip_special_tokens=True)
+            text = (opener + written).strip()
+            if t.finish_reason == "stop" and len(written.strip()) >= min_chars and text not in kept and len(kept) < n:
                 kept[text] = None
                 if progress is not None:
                     progress(1)
