@@ -341,6 +341,8 @@ def test_synthesized_prompts_are_the_chat_targets_own_user_turns(smollm2):
     assert all(len(p) >= 12 and "<|im_" not in p and p == p.strip() for p in a)
     assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3) == a  # seeded
     assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=4) != a
+    opened = synthesize_prompts(smollm2, 1, max_prompt_tokens=64, seed=3, opener="Write a Python function that")
+    assert opened[0].startswith("Write a Python function that") and len(opened[0]) >= 28 + 12
 
 
 def test_synthesizing_needs_a_chat_template_and_turns_that_end(stories, smollm2):

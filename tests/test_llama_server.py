@@ -334,17 +334,21 @@ def test_the_upstream_refuses_a_bad_binary_with_its_reason(llama, tmp_path):
 
 def test_a_head_that_does_not_pay_on_live_traffic_is_switched_off_then_tried_again(llama, head_gguf, tmp_path):
     """The version claims perfect acceptance (its rule drafts), the untrained head never is right:
-    after a window of requests the live check restarts the version without its head, and after
+    once its requests have decoded `window_steps` steps (long answers give evidence in fewer
+    requests than `window`), the live check restarts the version without its head, and after
     `reprobe` more requests tries the head again."""
     _, _, tok, factory = llama
     up = factory.start("1", head_gguf, [1.0, 1.0, 1.0, 1.0])
     assert up.launch.head == head_gguf
     h = _serve(llama, upstream=up)
-    h.guard.window, h.guard.reprobe = 6, 6
+    h.guard.window, h.guard.window_steps, h.guard.reprobe = 1000, 40, 6
     try:
         prompt = _ids(tok, PROMPTS[2])
-        for _ in range(6):
+        for _ in range(2):  # 2 x 16 tokens, one per step (the untrained head is never right): 32 steps
             assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200
+        time.sleep(0.5)
+        assert h.slot.get() is up and h.guard.switches == 0
+        assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200  # 48 steps >= 40
         wait_until(lambda: h.slot.get().launch.head is None, timeout_s=60, what="the head to be switched off")
         off = h.slot.get()
         assert off.version == "1" and h.guard.switches == 1
@@ -370,26 +374,6 @@ def test_an_upstream_killed_by_an_illegal_instruction_says_how_to_get_one_that_r
     with pytest.raises(UpstreamError, match=r"while starting \(an illegal instruction: .*engine install llama-server "
                                             r"--force.*\): .*loading model"):
         up.start(10)
-
-
-def test_the_live_check_weighs_decoding_steps_before_a_window_of_requests(llama, head_gguf):
-    """Long answers give evidence in fewer requests: with a window of requests never reached, the
-    check still comes once the head's requests have decoded `window_steps` steps."""
-    _, _, tok, factory = llama
-    up = factory.start("1", head_gguf, [1.0, 1.0, 1.0, 1.0])
-    h = _serve(llama, upstream=up)
-    h.guard.window, h.guard.window_steps = 1000, 40
-    try:
-        prompt = _ids(tok, PROMPTS[2])
-        for _ in range(2):  # 2 x 16 tokens, one per step (the untrained head is never right): 32 steps
-            assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200
-        time.sleep(0.5)
-        assert h.slot.get() is up and h.guard.switches == 0
-        assert complete(h.url, {"prompt": prompt, "max_tokens": 16})[0] == 200  # 48 steps >= 40
-        wait_until(lambda: h.slot.get().launch.head is None, timeout_s=60, what="the head to be switched off")
-        assert h.guard.switches == 1
-    finally:
-        h.stop(10)
 
 
 def test_serve_on_llama_server_refuses_a_kind_it_cannot_serve(tmp_path, capsys):

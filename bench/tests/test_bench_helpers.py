@@ -173,18 +173,26 @@ def test_cached_requests_are_read_back_while_the_key_matches_and_made_again_when
     assert cached_requests(cache, {"n": 2}, make("c"))[0].tag == "c" and made == ["a", "c"]
 
 
-def test_written_pools_are_the_targets_own_prompts_begun_with_the_domains_openers(smollm2):
-    """As many distinct prompts as asked for, each begun with one of its domain's openers and the
-    rest written by the target (so no template repeats), seeded."""
+def test_written_pools_ask_the_target_for_each_of_the_domains_openers_in_turn(monkeypatch):
+    """As many prompts as asked for, split over the domain's openers, each call seeded apart, the
+    pool shuffled by seed (the target's writing itself: tests/test_eagle.py)."""
+    import online.trainer.warmstart as warmstart
     from bench.traffic import OPENERS, written_pool
 
-    code = written_pool(smollm2, "code", 4, seed=1)
+    calls = []
+
+    def fake(target, n, *, opener, seed, max_prompt_tokens):
+        calls.append((opener, n, seed))
+        return [f"{opener} task {i} (seed {seed})" for i in range(n)]
+
+    monkeypatch.setattr(warmstart, "synthesize_prompts", fake)
+    code = written_pool(None, "code", 4, seed=1)
     assert len(code) == len(set(code)) == 4
-    assert all(any(p.startswith(o) and len(p) >= len(o) + 12 for o in OPENERS["code"]) for p in code)
-    assert {o for o in OPENERS["code"] if any(p.startswith(o) for p in code)} == set(OPENERS["code"])
-    assert written_pool(smollm2, "code", 4, seed=1) == code
+    assert [(o, n) for o, n, _ in calls] == list(zip(OPENERS["code"], (2, 1, 1), strict=True))
+    assert len({seed for _, _, seed in calls}) == 3
+    assert written_pool(None, "code", 4, seed=1) == code
     with pytest.raises(ValueError, match="unknown domain 'poetry'"):
-        written_pool(smollm2, "poetry", 2)
+        written_pool(None, "poetry", 2)
 
 
 def test_the_code_split_never_measures_on_a_prompt_or_unseen_task_it_trains_on():
