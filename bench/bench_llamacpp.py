@@ -177,7 +177,7 @@ def live_check(ruled: list[dict], alone: list[dict], steps, n_max: int) -> tuple
         out.append(r)
         n, tokens, drafted = n + 1, tokens + r["tokens"], drafted + r["drafted"]
         n_steps += r["tokens"] - r["accepted"]
-        if n >= RuleGuard.WINDOW or n_steps >= RuleGuard.WINDOW_STEPS:
+        if RuleGuard.window_full(n, n_steps):
             if served_speedup(tokens, n_steps, drafted, steps, n_max) < RuleGuard.FLOOR:
                 return out + alone[i + 1:], i + 2
             n = tokens = n_steps = drafted = 0

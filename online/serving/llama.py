@@ -150,6 +150,12 @@ class RuleGuard:
         self._counts: dict[int, list[int]] = {}  # id(upstream) -> [requests, tokens, steps, drafted]
         self._busy = False
 
+    @staticmethod
+    def window_full(requests: int, steps: int, window: int = WINDOW, window_steps: int = WINDOW_STEPS) -> bool:
+        """Whether a head's counts make a window: `window` requests or `window_steps` decoding
+        steps, whichever comes first (bench/bench_llamacpp.py replays the same rule)."""
+        return requests >= window or steps >= window_steps
+
     def observe(self, up: Upstream, stats: object) -> None:
         if up is not self.slot.get() or up.head_rule is None:
             return
@@ -158,7 +164,7 @@ class RuleGuard:
             c[0] += 1
             c[1], c[2], c[3] = c[1] + stats.output_tokens, c[2] + stats.steps, c[3] + stats.drafted
             if up.launch.head is not None:
-                due = c[0] >= self.window or c[2] >= self.window_steps
+                due = self.window_full(c[0], c[2], self.window, self.window_steps)
             else:
                 due = c[0] >= self.reprobe
             due = due and not self._busy
