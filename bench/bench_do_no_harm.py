@@ -6,8 +6,9 @@ model drafter directory, a drafter derived from the target's first N layers, or 
 EAGLE-3 head made in a temporary directory) it runs R repetitions; a repetition decodes every
 prompt (greedy, the same max_new_tokens) once on our engine with the target alone
 (NoDrafter) and once on our engine with the drafter under the adaptive rule
-(DraftLengthConfig(k=--k-max, adaptive=True), runtime/adaptive.py), the two blocks in
-alternating order from one repetition to the next so that machine drift hits both alike.
+(DraftLengthConfig(k=--k-max, adaptive=True), runtime/adaptive.py), the two requests of a
+prompt one after the other, in alternating order from prompt to prompt and from one repetition
+to the next (`interleaved`), so that the machine's drift hits both sides alike.
 Each engine serves one warm-up request before anything is timed.
 
 Per case it reports tokens/s of each side (per repetition: output tokens / wall seconds over all
@@ -117,6 +118,13 @@ def timed(engine: SpeculativeEngine, prompts: list[list[int]],
     return outs, time.perf_counter() - t, stats
 
 
+def interleaved(rep: int, prompt: int) -> tuple[str, str]:
+    """The order of the two sides for one prompt of one repetition: side by side per request, the
+    order alternating from prompt to prompt and from repetition to repetition (ABBA), so that the
+    machine's drift over seconds hits both sides alike instead of one side's whole block."""
+    return ("target", "adaptive") if (rep + prompt) % 2 == 0 else ("adaptive", "target")
+
+
 def warm(engine: SpeculativeEngine, ids: list[int]) -> None:
     engine.generate(ids, SamplingParams(max_new_tokens=16))
 
@@ -134,14 +142,17 @@ def run_case(name: str, make: Callable[[], Drafter], target: LoadedModel, base: 
     for rep in range(args.reps):
         if args.cold:  # a new engine (cost model, acceptance counts) over the same drafter weights
             engine = SpeculativeEngine.for_model(target, drafter, config)
-        outs = {}
-        for side in (("target", "adaptive") if rep % 2 == 0 else ("adaptive", "target")):
-            eng = base if side == "target" else engine
-            out, dt, st = timed(eng, prompts, n)
-            outs[side] = out
-            tps[side].append(sum(len(o) for o in out) / dt)
-            if side == "adaptive":
-                stats += st
+        outs: dict[str, list[list[int]]] = {"target": [], "adaptive": []}
+        secs = {"target": 0.0, "adaptive": 0.0}
+        for i, ids in enumerate(prompts):
+            for side in interleaved(rep, i):
+                out, dt, st = timed(base if side == "target" else engine, [ids], n)
+                outs[side] += out
+                secs[side] += dt
+                if side == "adaptive":
+                    stats += st
+        for side in tps:
+            tps[side].append(sum(len(o) for o in outs[side]) / secs[side])
         lossless &= outs["target"] == outs["adaptive"]
     ratios = [a / t for a, t in zip(tps["adaptive"], tps["target"], strict=True)]
     st = RequestStats.total(stats)

@@ -207,3 +207,14 @@ def test_the_code_split_never_measures_on_a_prompt_or_unseen_task_it_trains_on()
     assert tasks_in(parts["eval-unseen-tasks"]).isdisjoint(tasks_in(parts["train"]))
     assert tasks_in(parts["eval-seen-tasks"]) <= tasks_in(parts["train"])
     assert split() == parts
+
+
+def test_do_no_harm_puts_each_side_first_equally_often_per_repetition_and_per_prompt():
+    from bench.bench_do_no_harm import interleaved
+
+    for rep in range(4):
+        firsts = [interleaved(rep, i)[0] for i in range(6)]
+        assert sorted(interleaved(rep, 0)) == ["adaptive", "target"]
+        assert firsts.count("target") == firsts.count("adaptive") == 3
+    for i in range(6):
+        assert [interleaved(rep, i)[0] for rep in range(2)] in (["target", "adaptive"], ["adaptive", "target"])
