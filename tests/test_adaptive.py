@@ -57,6 +57,18 @@ def test_a_useless_drafter_is_switched_off_and_probed():
     assert choose_lengths([good], [3], ["v"], costs) == [3]  # never beyond what is still useful
 
 
+def test_drafting_at_break_even_is_left_to_the_sure_option():
+    """Drafting one token costs 1.15 steps here; a version right ~19 % of the time would gain ~3 %
+    by its estimates, inside the margin (5 %) that noisy estimates need: it drafts nothing, where
+    the same version without a margin drafts. A version right 40 % of the time drafts either way."""
+    costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.1)
+    assert choose_lengths([controller(0.18, k=1)], [50], ["v"], costs) == [0]
+    assert choose_lengths([controller(0.18, k=1, margin=0.0)], [50], ["v"], costs) == [1]
+    assert choose_lengths([controller(0.4, k=1)], [50], ["v"], costs) == [1]
+    with pytest.raises(ValueError, match="margin"):
+        DraftLengthConfig(margin=1.0)
+
+
 def test_a_switched_off_version_is_weighed_again_every_few_steps():
     """Once a proven version's best k is 0, a request keeps k = 0 for recheck_every steps without
     weighing every k (on a small target the weighing is a few percent of a step), then weighs
