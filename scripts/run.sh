@@ -2,7 +2,7 @@
 # Sets up .venv (if needed), then runs the main job: `livedraft up --demo` — SmolLM2-135M served
 # with the hybrid drafter (the traffic's suffix cache, else an EAGLE-3 head warm-started once on
 # built-in prompts and cached), the collector and the trainer schedule in the same process, and
-# greedy story traffic for ~150 s; it prints acceptance and tokens/s against target-only requests
+# 72 greedy story requests (--demo-requests); it prints acceptance and tokens/s against target-only requests
 # of the same run as rounds promote new versions, then a table per version, drains and exits.
 # Data goes to a fresh temporary directory unless --data-dir is given; extra arguments go to
 # `livedraft up`.

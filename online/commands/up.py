@@ -16,6 +16,7 @@ from online.commands.daemon import apply_data_dir, install_stop_signals
 from online.commands.engine import add_engine_arguments
 from online.config import Config, load_config
 from online.loading import add_model_arguments
+from runtime.errors import LivedraftError
 
 # `--demo` defaults, applied only to keys still at their built-in default (a config file or
 # LIVEDRAFT_* variable wins): small windows and short rounds so a round lands within a minute
@@ -47,10 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", help="listen address (default: [serve] host)")
     p.add_argument("--port", type=int, help="listen port, 0 = any free port (default: [serve] port; --demo: 0)")
-    p.add_argument("--demo", action="store_true", help="also send traffic for --demo-seconds, then exit")
-    p.add_argument("--demo-seconds", type=float, default=150.0, help="traffic for this long ...")
-    p.add_argument("--demo-max-seconds", type=float, default=270.0,
-                   help="... or longer until the first trainer round has finished, at most this long")
+    p.add_argument("--demo", action="store_true", help="also send --demo-requests requests of traffic, then exit")
+    p.add_argument("--demo-requests", type=int, default=72,
+                   help="traffic until this many requests are answered (the loop learns per request, so a slow "
+                        "machine takes longer, not fewer rounds) ...")
+    p.add_argument("--demo-seconds", type=float,
+                   help="... or, when given, traffic for this long instead of a request count ...")
+    p.add_argument("--demo-max-seconds", type=float, default=900.0,
+                   help="... or longer until the first trainer round has finished; at most this long in all")
     p.add_argument("--demo-domain", default="stories", help="stories | code | instructions | json")
     p.add_argument("--demo-max-tokens", type=int, default=48)
     p.set_defaults(func=run)
@@ -73,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from online.traffic.prompts import chat_prompts, has_chat_template, prompts_for
     from online.trainer.bootstrap import initial_drafter_dir, initial_eagle_dir
 
+    if args.demo and args.demo_seconds is None and args.demo_requests < 1:
+        raise LivedraftError(f"--demo-requests must be >= 1, got {args.demo_requests}")
+    if args.demo and args.demo_seconds is not None and args.demo_seconds <= 0:
+        raise LivedraftError(f"--demo-seconds must be > 0, got {args.demo_seconds}")
     cfg = apply_data_dir(load_config(args.config), args.data_dir)
     if args.demo:
         apply_defaults(cfg, DEMO_DEFAULTS)
@@ -116,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         if args.demo:
             prompts = chat_prompts(target.tokenizer, prompts_for(args.demo_domain, 2000, seed=0))
             summary = run_demo(url, prompts, stop=stop, trained=trained_and_served(up.daemon, up.handle, registry),
-                               seconds=args.demo_seconds, max_seconds=args.demo_max_seconds,
+                               requests=args.demo_requests, seconds=args.demo_seconds,
+                               max_seconds=args.demo_max_seconds,
                                max_tokens=args.demo_max_tokens, domain=args.demo_domain)
         else:
             while not stop.wait(1.0):

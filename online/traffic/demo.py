@@ -1,6 +1,8 @@
-"""`livedraft up --demo`: traffic of one domain until the loop has been seen (a trainer round finished
-and, when it promoted a version, that version served), then the closing table a newcomer reads —
-per drafter version, tokens/s against target-only requests served in the same run."""
+"""`livedraft up --demo`: traffic of one domain, a number of requests (the loop learns per request,
+so a slow machine takes longer rather than seeing fewer rounds) and until the loop has been seen (a
+trainer round finished and, when it promoted a version, that version served), then the closing
+table a newcomer reads — per drafter version, tokens/s against target-only requests served in the
+same run."""
 
 from __future__ import annotations
 
@@ -41,24 +43,35 @@ def trained_and_served(daemon: object, handle: object, registry: object, serve_s
     return check
 
 
-def run_demo(url: str, prompts: list[str], *, stop: threading.Event, trained: Callable[[], bool], seconds: float,
-             max_seconds: float, max_tokens: int, domain: str) -> str:
-    """Sends `prompts` (greedy, one at a time) for `seconds`, or longer until `trained()` (at most
-    `max_seconds`), or until `stop`; returns demo_summary's table."""
-    from online.traffic.generator import run_traffic
+def run_demo(url: str, prompts: list[str], *, stop: threading.Event, trained: Callable[[], bool],
+             requests: int, seconds: float | None, max_seconds: float, max_tokens: int, domain: str) -> str:
+    """Sends `prompts` (greedy, one at a time) until `requests` have been answered (or, with
+    `seconds`, for that long), and longer until `trained()`; at most `max_seconds` in all, or until
+    `stop`. Returns demo_summary's table."""
+    from online.traffic.generator import TrafficReport, run_traffic
 
-    print(f"demo: {domain} traffic for {seconds:.0f}s (greedy, {max_tokens} tokens); "
+    length = f"for {seconds:.0f}s" if seconds is not None else f"for {requests} requests"
+    print(f"demo: {domain} traffic {length} (greedy, {max_tokens} tokens, at most {max_seconds:.0f}s); "
           "watch the mean acceptance length and the drafter version:", flush=True)
+    report = TrafficReport()
 
-    def end_when_due() -> None:  # at `seconds`, or later once a round has finished (capped)
-        deadline = t0 + max(seconds, max_seconds)
-        if stop.wait(seconds):
-            return
-        if not trained():
-            print("demo: waiting for the first trainer round to finish (and a promoted version to serve) ...",
-                  flush=True)
-        while not trained() and time.monotonic() < deadline and not stop.wait(1.0):
-            pass
+    def due() -> bool:
+        if seconds is not None:
+            return time.monotonic() - t0 >= seconds
+        return len(report.completed) >= requests
+
+    def end_when_due() -> None:  # once due and a round has finished, or at max_seconds
+        said = False
+        while not stop.wait(0.5) and time.monotonic() - t0 < max_seconds:
+            seen = trained()  # asked all along: it times how long the newest version has served
+            if not due():
+                continue
+            if seen:
+                break
+            if not said:
+                print("demo: waiting for a trainer round to finish (and the newest promoted version to serve) ...",
+                      flush=True)
+                said = True
         stop.set()
 
     t0 = time.monotonic()
@@ -67,7 +80,7 @@ def run_demo(url: str, prompts: list[str], *, stop: threading.Event, trained: Ca
     try:
         report = run_traffic(url, prompts, rate=0, max_tokens=max_tokens, concurrency=1, report_every_s=10.0,
                              stop=stop, on_line=lambda line: print("demo: " + line, flush=True),
-                             baseline_every=DEMO_BASELINE_EVERY)
+                             baseline_every=DEMO_BASELINE_EVERY, report=report)
     finally:
         stop.set()
     return demo_summary(report)

@@ -101,12 +101,14 @@ def run_traffic(
     timeout_s: float = 600.0,
     baseline_every: int = 0,
     api_key: str | None = None,
+    report: TrafficReport | None = None,
 ) -> TrafficReport:
     """Sends every prompt (request i scheduled at i / rate seconds; rate <= 0: as fast as
     `concurrency` allows), at most `concurrency` in flight. Blocks until all are answered or
     `stop` is set. Prints a live line every `report_every_s` through `on_line` (None: quiet).
-    `baseline_every` N > 0: requests N-1, 2N-1, ... are served by the target alone."""
-    report = TrafficReport()
+    `baseline_every` N > 0: requests N-1, 2N-1, ... are served by the target alone. `report`:
+    filled in as requests finish (another thread may watch it) and returned; default a new one."""
+    report = TrafficReport() if report is None else report
     jobs: queue.Queue = queue.Queue()
     for i, p in enumerate(prompts):
         jobs.put((i, p))
