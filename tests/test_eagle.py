@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -460,7 +461,12 @@ def test_the_heads_confidence_predicts_acceptance(stories, stories_eagle_dir, ea
     unsure, n_unsure = pooled(bins[:3])  # confidence < 0.6
     sure, n_sure = pooled(bins[-1:])  # >= 0.9
     assert n_unsure >= 60 and n_sure >= 60, bins
-    assert sure > unsure + 0.15, bins
+    # significantly more often (two-proportion z > 3), not by a fixed gap: the head is trained here and
+    # the gap moves from run to run (0.17 in one CI run; 0.14 in a full-suite run on another machine,
+    # where the same test alone passed)
+    both = (sure * n_sure + unsure * n_unsure) / (n_sure + n_unsure)
+    z = (sure - unsure) / math.sqrt(both * (1 - both) * (1 / n_sure + 1 / n_unsure))
+    assert sure > unsure + 0.05 and z > 3.0, (z, bins)
 
 
 def test_train_minutes_without_steps_trains_for_the_time_given():
