@@ -62,8 +62,9 @@ def run_demo(url: str, prompts: list[str], *, stop: threading.Event, trained: Ca
 
     def end_when_due() -> None:  # once due and a round has finished, or at max_seconds
         said = False
-        while not stop.wait(0.5) and time.monotonic() - t0 < max_seconds:
-            seen = trained()  # asked all along: it times how long the newest version has served
+        while not stop.wait(1.0) and time.monotonic() - t0 < max_seconds:
+            seen = trained()  # asked all along (a registry read a second): it times how long the newest
+            # version has served, so the demo does not wait that long again once due
             if not due():
                 continue
             if seen:
