@@ -8,6 +8,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -106,7 +107,30 @@ def after_gate(champion: Path, parent: Path, candidate: Path, promoted: bool, li
     return new_champion, new_parent, {champion, parent, candidate} - {keep, new_champion, new_parent}
 
 
-def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
+@dataclass
+class EagleRun:
+    """The online half of the eagle bench: per-request stats of the frozen and the adapted head, the
+    rounds, and what the offline references need (the initial head, the target's passes, the stream)."""
+
+    frozen: list[RequestStats]
+    adapted: list[RequestStats]
+    rounds: list[dict]
+    train_seconds: float
+    total_steps: int
+    init_dir: Path
+    logged: list[RequestTrace]
+    passes: dict
+    segment_end: dict[str, Path] = field(default_factory=dict)  # domain -> the version serving its last request
+
+
+def segment_ends(traffic: list[Request]) -> dict[int, str]:
+    """Index of each segment's last request -> the segment's domain (tag)."""
+    return {i: r.tag for i, r in enumerate(traffic) if i + 1 == len(traffic) or traffic[i + 1].tag != r.tag}
+
+
+def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> EagleRun:
+    """Frozen and online-adapted head over the stream. With `args.serve_prompts`, the version serving
+    each segment's last request is copied to `<out>_served/<domain>` (for the served tokens/s)."""
     init_dir = Path(args.drafter) if args.drafter else initial_head(args, target, out.parent)
     logged = [as_trace(i, r) for i, r in enumerate(traffic)]
     t0 = time.perf_counter()
@@ -123,12 +147,16 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
     champion_dir, version = init_dir, "initial"
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
     served: list[RequestTrace] = []
-    adapted: list[RequestStats] = []
-    rounds, t_train, total_steps = [], 0.0, 0
+    run = EagleRun(frozen, [], [], 0.0, 0, init_dir, logged, passes)
+    ends = segment_ends(traffic) if getattr(args, "serve_prompts", 0) else {}
     for r0 in range(0, len(logged), args.every):
         block = replay(champion_dir, logged[r0 : r0 + args.every], version).traces
         served += block
-        adapted += per_request(block)
+        run.adapted += per_request(block)
+        for domain in (ends[i] for i in range(r0, r0 + len(block)) if i in ends):
+            run.segment_end[domain] = out.parent / f"{out.name}_served" / domain
+            shutil.rmtree(run.segment_end[domain], ignore_errors=True)
+            shutil.copytree(champion_dir, run.segment_end[domain])
         if r0 + args.every >= len(logged):
             break
         window = served[-args.window :]
@@ -136,40 +164,49 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path):
         train = [t for i, t in enumerate(window) if i not in held]
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()
-        cand_version = f"round{len(rounds) + 1}"
+        cand_version = f"round{len(run.rounds) + 1}"
         res = distill_eagle(parent_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)
-        total_steps += res.steps
+        run.total_steps += res.steps
         c = ReplayMetrics.from_report(replay(work / cand_version, hold, cand_version))
         h = ReplayMetrics.from_report(replay(champion_dir, hold, version))
         promoted, reason = decide(c, h, cfg.promote_margin)
         seconds = time.perf_counter() - t0
-        t_train += seconds
-        rounds.append({"after_request": r0 + len(block), "candidate": cand_version, "promoted": promoted,
-                       "candidate_mal": round(c.mean_acceptance_length, 3),
-                       "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
-                       "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
-        log.info("round %d after %d requests: %s (%.0fs)", len(rounds), r0 + len(block), reason, seconds)
+        run.train_seconds += seconds
+        run.rounds.append({"after_request": r0 + len(block), "candidate": cand_version, "promoted": promoted,
+                           "candidate_mal": round(c.mean_acceptance_length, 3),
+                           "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
+                           "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
+        log.info("round %d after %d requests: %s (%.0fs)", len(run.rounds), r0 + len(block), reason, seconds)
         if promoted:
             version = cand_version
         champion_dir, parent_dir, unused = after_gate(champion_dir, parent_dir, work / cand_version, promoted,
                                                       args.lineage, keep=init_dir)
         for d in unused:
             shutil.rmtree(d, ignore_errors=True)
-    if args.references == "none":
-        return frozen, adapted, rounds, t_train, {"init": str(init_dir)}
-    # the references: the same head distilled offline on the stream, as many steps as all rounds together --
-    # on the whole stream and scored on it (it has trained on every request it is scored on), and
-    # cross-fitted: trained on one half of the stream (every other request, all domains) and scored on
-    # the other half, and the other way round (it knows the traffic in advance, but not the request)
-    offline_cfg = TrainerConfig(steps=max(total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
-                                seed=args.seed, warmup_steps=2, vocab_refresh=args.vocab_refresh)
-    distill_eagle(init_dir, logged, work / "offline", offline_cfg, target, passes=passes, version="offline")
-    offline = per_request(replay(work / "offline", logged, "offline").traces)
+    return run
 
-    def fit(train: list[RequestTrace], fold: int) -> Path:
-        distill_eagle(init_dir, train, work / f"fold{fold}", offline_cfg, target, passes=passes, version=f"fold{fold}")
-        return work / f"fold{fold}"
 
-    unseen = cross_fit(logged, fit, lambda path, traces: per_request(replay(path, traces, path.name).traces))
-    return frozen, adapted, rounds, t_train, {"offline": offline, "offline_unseen": unseen, "init": str(init_dir),
-                                              "offline_steps": offline_cfg.steps}
+def references(run: EagleRun, args, target, work: Path) -> dict:
+    """The offline references, the initial head distilled for as many steps as all rounds together:
+    cross-fitted (`offline_unseen`: trained on one half of the stream, every other request of every
+    domain, and scored on the other half, and the other way round -- it knows the traffic in advance,
+    but not the request) and, with `args.references == "both"`, on the whole stream and scored on it
+    (`offline`: it has trained on every request it is scored on)."""
+    cfg = TrainerConfig(steps=max(run.total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
+                        seed=args.seed, warmup_steps=2, vocab_refresh=args.vocab_refresh)
+
+    def fit(train: list[RequestTrace], name: str) -> Path:
+        t0 = time.perf_counter()
+        distill_eagle(run.init_dir, train, work / name, cfg, target, passes=run.passes, version=name)
+        log.info("offline reference %s: %d steps on %d requests in %.0fs", name, cfg.steps, len(train),
+                 time.perf_counter() - t0)
+        return work / name
+
+    def score(path: Path, traces: list[RequestTrace]) -> list[RequestStats]:
+        return per_request(replay_head(path, path.name, target, traces, run.passes, args.k).traces)
+
+    out = {"offline_steps": cfg.steps,
+           "offline_unseen": cross_fit(run.logged, lambda train, fold: fit(train, f"fold{fold}"), score)}
+    if args.references == "both":
+        out["offline"] = score(fit(run.logged, "offline"), run.logged)
+    return out

@@ -67,6 +67,7 @@ from bench.traffic import (
 from online.config import TrainerConfig
 from online.trainer.distill import distill
 from online.trainer.round import ReplayMetrics, decide
+from runtime.adaptive import DraftLengthConfig
 from runtime.derive import derive_drafter
 from runtime.drafters.factory import load_model_drafter
 from runtime.loader import load_model
@@ -87,12 +88,23 @@ def rolling(xs: list[float], w: int) -> list[float]:
     return [statistics.fmean(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
 
 
-def recovery(adapted: list[float], start: int, end: int, w: int) -> int | None:
-    """Requests after a shift until the adapted drafter's w-request rolling mean acceptance length
-    first reaches 90% of its own level over the segment's last 16 requests (None: never)."""
-    level = statistics.fmean(adapted[max(start, end - 16) : end])
-    roll = rolling(adapted[start:end], w)
-    return next((i + 1 for i, x in enumerate(roll) if i + 1 >= w and x >= 0.9 * level), None)
+def rate(stats: list[RequestStats]) -> float:
+    """Acceptance rate pooled over requests: accepted / drafted tokens (0 when nothing was drafted)."""
+    return RequestStats.total(stats).acceptance_rate if stats else 0.0
+
+
+def last_third(a: int, b: int) -> slice:
+    """A segment's last third, [a, b) being the segment's requests."""
+    return slice(b - (b - a) // 3, b)
+
+
+def recovery(adapted: list[RequestStats], start: int, end: int, w: int) -> int | None:
+    """Requests after a shift (the segment is [start, end)) until the adapted drafter's acceptance rate,
+    pooled over its last `w` requests, first reaches 90 % of its level over the segment's last third
+    (None: never)."""
+    level = rate(adapted[last_third(start, end)])
+    return next((i for i in range(w, end - start + 1) if rate(adapted[start + i - w : start + i]) >= 0.9 * level),
+                None)
 
 
 def load_traffic(target, args, cache: Path) -> list[Request]:
@@ -143,9 +155,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     ap.add_argument("--kind", choices=("eagle", "model"), default="eagle")
-    ap.add_argument("--references", choices=("both", "none"), default="both",
-                    help="eagle: distil the offline references (c) after the online run, or skip them (three "
-                         "distillations, each as many steps as all rounds together: longer than the online run)")
+    ap.add_argument("--references", choices=("crossfit", "both", "none"), default="crossfit",
+                    help="eagle: after the online run, distil the cross-fitted offline reference (c) (two "
+                         "distillations, each as many steps as all rounds together: longer than the online run), "
+                         "both references (three), or none")
+    ap.add_argument("--serve-prompts", type=int, default=0,
+                    help="eagle: time the version serving each segment's last request against the target alone "
+                         "on our engine, on this many prompts of the segment's last third (0: skip)")
+    ap.add_argument("--serve-reps", type=int, default=3, help="repetitions of --serve-prompts")
     ap.add_argument("--init-minutes", type=float, default=5.0, help="eagle: offline warm start of the initial head")
     ap.add_argument("--init-requests", type=int, default=200, help="eagle: topics prompts of that warm start")
     ap.add_argument("--out", help="result prefix (default: bench/results/adaptation-eagle, or bench/results/adaptation "
@@ -162,13 +179,24 @@ def main() -> None:
     traffic = load_traffic(target, args, out.parent / f"{out.name}_traffic.json")
     t_traffic = time.perf_counter() - t_start
     if args.kind == "eagle":
-        from bench.adaptation_eagle import run_eagle
+        from bench.adaptation_eagle import references, run_eagle
 
-        frozen_stats, adapted_stats, rounds, t_train, extra = run_eagle(args, target, traffic, out, work)
-        report(args, traffic, frozen_stats, adapted_stats, rounds, out,
-               {"traffic_s": round(t_traffic, 1), "training_rounds_s": round(t_train, 1),
-                "total_s": round(time.perf_counter() - t_start, 1), "torch_threads": torch.get_num_threads()},
-               extra)
+        run = run_eagle(args, target, traffic, out, work)
+        extra: dict = {"init": str(run.init_dir)}
+
+        def write() -> None:  # after each phase: what was measured survives a later one's failure
+            report(args, traffic, run.frozen, run.adapted, run.rounds, out,
+                   {"traffic_s": round(t_traffic, 1), "training_rounds_s": round(run.train_seconds, 1),
+                    "total_s": round(time.perf_counter() - t_start, 1), "torch_threads": torch.get_num_threads()},
+                   extra)
+
+        write()
+        if args.serve_prompts:
+            extra["served"] = served_speed(args, target, traffic, run.segment_end)
+            write()
+        if args.references != "none":
+            extra.update(references(run, args, target, work))
+            write()
         shutil.rmtree(work, ignore_errors=True)
         return
     init_dir = Path(args.drafter) if args.drafter else derive_drafter(target, args.layers, work / "initial")
@@ -217,59 +245,113 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: list[RequestStats], rounds: list,
-           out: Path, timing: dict, extra: dict | None = None) -> None:
-    """`extra` (eagle): {"offline": per-request stats of the offline reference scored on its own training
-    requests, "offline_unseen": of the cross-fitted one, "init": provenance}."""
-    extra = extra or {}
-    domains = args.domains.split(",")
+def segments(traffic: list[Request], domains: list[str]) -> dict[str, tuple[int, int]]:
+    """Each domain's requests [a, b) in the stream (the domains follow one another)."""
     bounds, start = {}, 0
     for d in domains:
         n = sum(1 for r in traffic if r.tag == d)
         bounds[d] = (start, start + n)
         start += n
+    return bounds
+
+
+def served_speed(args, target, traffic: list[Request], versions: dict[str, Path]) -> list[dict]:
+    """Tokens/s of the version serving each segment's last request against the target alone, on our
+    engine, side by side per prompt (bench.bench_do_no_harm.run_case: the adaptive rule at k <= 8,
+    `--serve-reps` repetitions, alternating order), over `--serve-prompts` prompts spread over the
+    segment's last third."""
+    from bench.bench_do_no_harm import row, run_case, warm
+    from runtime.drafters.factory import load_feature_drafter
+    from runtime.drafters.none import NoDrafter
+    from runtime.engine import SpeculativeEngine
+
+    base = SpeculativeEngine.for_model(target, NoDrafter())
+    warm(base, traffic[0].prompt_ids)
+    opts = argparse.Namespace(k_max=8, probe_every=DraftLengthConfig.probe_every, max_new_tokens=args.max_new_tokens,
+                              reps=args.serve_reps, cold=False)
+    results = []
+    for domain, (a, b) in segments(traffic, args.domains.split(",")).items():
+        if domain not in versions:
+            continue
+        tail = traffic[last_third(a, b)]
+        n = min(args.serve_prompts, len(tail))
+        prompts = [tail[(i * len(tail)) // n].prompt_ids for i in range(n)]
+        r = run_case(f"{domain}: the version serving request {b}", lambda p=versions[domain]: load_feature_drafter(
+            p, target), target, base, prompts, opts)
+        log.info("served %s", row(r))
+        results.append(r)
+    return results
+
+
+def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: list[RequestStats], rounds: list,
+           out: Path, timing: dict, extra: dict | None = None) -> None:
+    """`extra` (eagle): {"init": provenance; once measured, "served": tokens/s of the served versions
+    (served_speed), "offline_unseen": per-request stats of the cross-fitted offline reference and
+    "offline" of the one scored on its own training requests}."""
+    extra = extra or {}
+    domains = args.domains.split(",")
+    bounds = segments(traffic, domains)
     fm = [s.mean_acceptance_length for s in frozen]
     am = [s.mean_acceptance_length for s in adapted]
+    uns = extra.get("offline_unseen")
     rows = []
     for j, d in enumerate(domains):
         a, b = bounds[d]
         fs, ads = summary(frozen[a:b]), summary(adapted[a:b])
+        tail = last_third(a, b)
         row = {"domain": d, "requests": f"{a + 1}-{b}", "frozen": fs, "adapted": ads,
                "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
                "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
-               "recovery_requests": recovery(am, a, b, 8) if j > 0 else None}
-        if "offline" in extra:
-            off, uns = summary(extra["offline"][a:b]), summary(extra["offline_unseen"][a:b])
-            row["offline"], row["offline_unseen"] = off, uns
-            row["online_vs_offline_acceptance_rate"] = round(
-                ads["acceptance_rate"] / max(off["acceptance_rate"], 1e-9), 3)
+               "recovery_requests": recovery(adapted, a, b, 16) if j > 0 else None,
+               "last_third": {"requests": f"{tail.start + 1}-{b}", "frozen": round(rate(frozen[tail]), 3),
+                              "adapted": round(rate(adapted[tail]), 3),
+                              "gain": round(rate(adapted[tail]) - rate(frozen[tail]), 3)}}
+        if uns:
+            lt, ref = row["last_third"], rate(uns[tail])
+            lt["offline_unseen"], lt["offline_unseen_gain"] = round(ref, 3), round(ref - rate(frozen[tail]), 3)
+            lt["online_vs_offline_gain"] = (round(lt["gain"] / lt["offline_unseen_gain"], 3)
+                                            if lt["offline_unseen_gain"] > 0 else None)
+            row["offline_unseen"] = summary(uns[a:b])
             row["online_vs_unseen_acceptance_rate"] = round(
-                ads["acceptance_rate"] / max(uns["acceptance_rate"], 1e-9), 3)
+                ads["acceptance_rate"] / max(row["offline_unseen"]["acceptance_rate"], 1e-9), 3)
+        if "offline" in extra:
+            row["offline"] = summary(extra["offline"][a:b])
+            row["online_vs_offline_acceptance_rate"] = round(
+                ads["acceptance_rate"] / max(row["offline"]["acceptance_rate"], 1e-9), 3)
         rows.append(row)
     result = {"config": vars(args), "timing": timing, "domains": rows, "rounds": rounds,
-              "init": extra.get("init"),
+              "init": extra.get("init"), "served": extra.get("served"), "offline_steps": extra.get("offline_steps"),
               "per_request_mal": {"frozen": [round(x, 3) for x in fm], "adapted": [round(x, 3) for x in am]}}
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=2))
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2, default=str))
     plot(fm, am, bounds, rounds, Path(f"{out}.png"), args,
-         [s.mean_acceptance_length for s in extra["offline_unseen"]] if "offline" in extra else None)
+         [s.mean_acceptance_length for s in uns] if uns else None)
     print(f"\n{timing}\n")
-    off = "offline" in extra
     print("| domain (requests) | frozen MAL | adapted MAL | frozen acc. rate | adapted acc. rate | gain (acc. rate) "
-          "| first-token acc. frozen → adapted | recovery after shift (requests) |"
-          + (" offline, cross-fitted MAL / acc. rate | online / cross-fitted acc. rate | offline, scored on its "
-             "training requests MAL / acc. rate | online / that |" if off else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if off else ""))
+          "| first-token acc. frozen → adapted | recovery after shift (requests) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, a = r["frozen"], r["adapted"]
         print(f"| {r['domain']} ({r['requests']}) | {f['mean_acceptance_length']} | {a['mean_acceptance_length']} | "
               f"{f['acceptance_rate']} | {a['acceptance_rate']} | {r['acceptance_rate_gain']:+} | "
               f"{f['first_token_acceptance']} → {a['first_token_acceptance']} | "
-              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} |"
-              + (f" {r['offline_unseen']['mean_acceptance_length']} / {r['offline_unseen']['acceptance_rate']} | "
-                 f"{r['online_vs_unseen_acceptance_rate']} | "
-                 f"{r['offline']['mean_acceptance_length']} / {r['offline']['acceptance_rate']} | "
-                 f"{r['online_vs_offline_acceptance_rate']} |" if off else ""))
+              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} |")
+    print("\nLast third of each segment, acceptance rate (gain over the frozen head):\n")
+    print("| domain (requests) | frozen | online | offline, cross-fitted | online gain / offline gain |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        lt = r["last_third"]
+        ref = (f"{lt['offline_unseen']} ({lt['offline_unseen_gain']:+}) | {lt['online_vs_offline_gain']}"
+               if "offline_unseen" in lt else "— | —")
+        print(f"| {r['domain']} ({lt['requests']}) | {lt['frozen']} | {lt['adapted']} ({lt['gain']:+}) | {ref} |")
+    if extra.get("served"):
+        from bench.bench_do_no_harm import HEADER
+        from bench.bench_do_no_harm import row as served_row
+
+        print("\nServed, our engine, adaptive rule (k <= 8) against the target alone, side by side:\n")
+        print(HEADER)
+        for r in extra["served"]:
+            print(served_row(r))
     print("\nrounds: " + "; ".join(f"{x['after_request']}: {x['candidate_mal']} vs {x['champion_mal']}"
                                   f"{' promoted' if x['promoted'] else ''}" for x in rounds))
 

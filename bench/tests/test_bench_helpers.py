@@ -85,15 +85,28 @@ def test_prompt_pools_are_deterministic_and_domain_specific():
         prompt_pool("poetry", 3)
 
 
-def test_recovery_is_requests_until_rolling_mal_reaches_90_percent_of_the_segments_final_level():
-    from bench.bench_adaptation import recovery
+def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_percent_of_the_last_thirds():
+    from bench.bench_adaptation import last_third, recovery
+    from runtime.stats import RequestStats
 
-    # segment 10..34: four requests at 1.0 right after the shift, then 2.0; final level 2.0, threshold 1.8.
-    # An 8-request rolling mean >= 1.8 allows at most one 1.0 in the window: first at the 11th request.
-    adapted = [1.5] * 10 + [1.0] * 4 + [2.0] * 20
-    assert recovery(adapted, 10, 34, 8) == 11
-    assert recovery([1.0] * 10 + [1.0] * 20, 10, 30, 8) == 8  # flat: recovered once the window is full
-    assert recovery([1.0] * 10 + [2.0] * 8 + [1.0] * 16, 10, 34, 8) == 8  # level 1.0 there; reached at once
+    def served(accepted: list[int]) -> list[RequestStats]:  # one 4-token draft per request
+        out = []
+        for a in accepted:
+            s = RequestStats()
+            s.record_step(4, a)
+            out.append(s)
+        return out
+
+    assert last_third(10, 40) == slice(30, 40)
+    # segment 10..40: three requests at 0 of 4 after the shift, then 2 of 4; last third's rate 0.5, threshold
+    # 0.45. A 4-request pooled rate >= 0.45 allows no 0 in the window: first at the 7th request.
+    adapted = served([4] * 10 + [0] * 3 + [2] * 27)
+    assert recovery(adapted, 10, 40, 4) == 7
+    assert recovery(served([1] * 40), 10, 40, 4) == 4  # flat: recovered once the window is full
+    assert recovery(served([0] * 10 + [4] * 4 + [1] * 26), 10, 40, 4) == 4  # level 0.25 there; reached at once
+    # a level reached only late: last third 10 of 13 requests at 4 of 4, level 0.77, threshold 0.69; a window
+    # holding one 0 and three 4s (0.75) is the first to reach it, ending at the 33rd request
+    assert recovery(served([0] * 30 + [4] * 10), 0, 40, 4) == 33
 
 
 def test_cross_fitting_scores_every_item_with_a_model_that_never_trained_on_it():
