@@ -30,7 +30,7 @@ cost is measured; an unmeasured draft cost is the last measured version's, else 
 per token, never free. Costs carry across requests and swaps.
 
 In a batch the widths are padded to the longest row, so the batch shares one
-cap K, chosen the same way over the sum of the rows' expected tokens: as the batch
+cap K, chosen the same way (margin included) over the sum of the rows' expected tokens: as the batch
 grows, verifying another position costs more rows of compute and the best K shrinks.
 
 A drafter with probabilities can also stop early on its own once its top probability at
@@ -345,10 +345,11 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
             return None
         return sum(curve[min(k, k_cap)] for curve, k in zip(curves, own, strict=True)) / secs
 
-    rates = [(batch_rate(k), k) for k in range(top + 1)]
-    if any(r is None for r, _ in rates):
+    rates = [batch_rate(k) for k in range(top + 1)]
+    if any(r is None for r in rates):
         return [min(k, 1) for k in own]  # the target's cost not measured yet: probes only
-    k_cap = max(max(rates)[1], probing)
+    # the batch's cap under the same margin: rows that each beat it alone may only break even together
+    k_cap = max(_best_rate(rates, max(c.config.margin for c in controllers)), probing)  # type: ignore[arg-type]
     return [min(k, k_cap) for k in own]
 
 
@@ -364,15 +365,25 @@ def _probe_interval(config: DraftLengthConfig, costs: CostModel, version: str) -
 
 
 def _argmax_rate(curve: list[float], seconds: object, margin: float = 0.0) -> int:
-    """The k with the most expected tokens per second; k > 0 only where it beats k = 0 by more
-    than `margin` of k = 0's rate (the estimates are noisy, and the maximum of noisy estimates
-    is biased upwards: at break-even the rule takes the sure option)."""
-    best, best_rate = len(curve) - 1, -1.0
+    """The k with the most expected tokens per second (`curve[k]` tokens in `seconds(k)`; 0 when
+    a cost is not measured: bet on nothing), by `_best_rate`."""
+    rates = []
     for k, tokens in enumerate(curve):
         s = seconds(k)  # type: ignore[operator]
         if s is None or s <= 0:
-            return 0  # not measured: bet on nothing
-        rate = tokens / s if k > 0 else tokens / s * (1.0 + margin)
+            return 0
+        rates.append(tokens / s)
+    return _best_rate(rates, margin)
+
+
+def _best_rate(rates: list[float], margin: float) -> int:
+    """The index of the highest rate, index 0 (drafting nothing) counted `margin` higher than it
+    is: k > 0 only where it beats k = 0 by more than `margin` of k = 0's rate (the estimates are
+    noisy, and the maximum of noisy estimates is biased upwards: at break-even the rule takes the
+    sure option)."""
+    best, best_rate = len(rates) - 1, -1.0
+    for k, rate in enumerate(rates):
+        rate = rate * (1.0 + margin) if k == 0 else rate
         if rate > best_rate + 1e-12:
             best, best_rate = k, rate
     return best

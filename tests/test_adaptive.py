@@ -69,6 +69,20 @@ def test_drafting_at_break_even_is_left_to_the_sure_option():
         DraftLengthConfig(margin=1.0)
 
 
+def test_a_batch_that_only_breaks_even_together_drafts_nothing():
+    """Each of two requests gains ~18 % drafting one token alone (verifying 2 tokens costs 1.05 steps),
+    but the batch verifies 4 tokens for 1.24 steps: together drafting gains ~2 %, inside the margin.
+    The batch's cap takes the sure option too; without a margin it drafts."""
+    costs = CostModel()
+    for tokens, seconds in ((1, 1.0), (2, 1.05), (4, 1.24)):
+        costs.record_verify(tokens, seconds)
+    costs.record_draft("v", 1, 0.05)
+    assert choose_lengths([controller(0.3, k=1)], [50], ["v"], costs) == [1]
+    assert choose_lengths([controller(0.3, k=1), controller(0.3, k=1)], [50] * 2, ["v"] * 2, costs) == [0, 0]
+    pair = [controller(0.3, k=1, margin=0.0), controller(0.3, k=1, margin=0.0)]
+    assert choose_lengths(pair, [50] * 2, ["v"] * 2, costs) == [1, 1]
+
+
 def test_a_switched_off_version_is_weighed_again_every_few_steps():
     """Once a proven version's best k is 0, a request keeps k = 0 for recheck_every steps without
     weighing every k (on a small target the weighing is a few percent of a step), then weighs
