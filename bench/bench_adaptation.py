@@ -108,20 +108,22 @@ def recovery(adapted: list[RequestStats], start: int, end: int, w: int) -> int |
 
 
 def load_traffic(target, args, cache: Path) -> list[Request]:
-    key = {"target": target.model_id, "domains": args.domains, "per_domain": args.per_domain,
-           "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8, "pool": args.pool}
+    """The stream: per domain, the target's greedy answers to its prompts, cached per domain (a
+    long run that fails in one domain keeps the others)."""
+    traffic: list[Request] = []
+    for domain in args.domains.split(","):
+        key = {"target": target.model_id, "domain": domain, "per_domain": args.per_domain,
+               "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8, "pool": args.pool}
 
-    def answer() -> list[Request]:
-        traffic: list[Request] = []
-        for domain in args.domains.split(","):
+        def answer(domain: str = domain) -> list[Request]:
             n, seed = args.per_domain, args.seed
             prompts = written_pool(target, domain, n, seed) if args.pool == "written" else prompt_pool(domain, n, seed)
-            ids = [chat_ids(target, p) for p in prompts]
-            traffic += greedy_traffic(target, ids, args.max_new_tokens, tag=domain)
-            log.info("target answered %d %s prompts", len(ids), domain)
-        return traffic
+            out = greedy_traffic(target, [chat_ids(target, p) for p in prompts], args.max_new_tokens, tag=domain)
+            log.info("target answered %d %s prompts", len(out), domain)
+            return out
 
-    return cached_requests(cache, key, answer)
+        traffic += cached_requests(cache.with_name(f"{cache.stem}-{domain}{cache.suffix}"), key, answer)
+    return traffic
 
 
 def main() -> None:

@@ -113,7 +113,8 @@ def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 
     ends. A model's own user turns follow the distribution its instruction tuning saw, so a head
     warm-started on them is not tied to one prompt template. Kept: turns that ended (end of
     turn within `max_prompt_tokens`), at least `min_chars` long, each once; sampling goes on, in
-    seeded rounds, until `n` are kept (at most 8 rounds of n, else a LivedraftError). An `opener`
+    seeded rounds, until `n` are kept (a round samples what is missing, at least a batch; at most 8
+    rounds, else a LivedraftError). An `opener`
     ("Write a Python function that") starts every turn: the target writes the rest, so prompts
     stay in one domain and still do not follow a template."""
     if n <= 0:
@@ -124,7 +125,8 @@ def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 
     prefix = user_turn_prefix(tok) + (list(tok(opener, add_special_tokens=False).input_ids) if opener else [])
     kept: dict[str, None] = {}
     for rnd in range(8):
-        traces = answer_prompts(target, [prefix] * (n - len(kept)), max_prompt_tokens, batch=batch,
+        # at least a batch: the last few missing cost one batched pass either way, and a narrow opener repeats
+        traces = answer_prompts(target, [prefix] * max(n - len(kept), batch), max_prompt_tokens, batch=batch,
                                 temperature=temperature, seed=seed + rnd * 1_000_003)
         for t in traces:
             written = tok.decode(t.output_ids, skip_special_tokens=True)
