@@ -146,9 +146,13 @@ def prompt_pool(domain: str, n: int, seed: int = 0) -> list[str]:
 # (`written_pool`): the target continues each opener, so the prompts stay in their domain without
 # a template a drafter could learn instead of the domain.
 OPENERS = {
-    "stories": ("Write a short story about", "Tell me a story in which", "Write a bedtime story for"),
-    "code": ("Write a Python function that", "Write a Python program that", "How do I write Python code to"),
-    "instructions": ("How do I", "Give me step-by-step instructions to", "What is the easiest way to"),
+    # six per domain: a narrow opener repeats itself within ~100 prompts of a 135M target
+    "stories": ("Write a short story about", "Tell me a story in which", "Write a bedtime story for",
+                "Write a fairy tale about", "Can you write a funny story about", "Write a story for children where"),
+    "code": ("Write a Python function that", "Write a Python program that", "How do I write Python code to",
+             "Write a Python class that", "In Python, how can I", "Write a Python script that"),
+    "instructions": ("How do I", "Give me step-by-step instructions to", "What is the easiest way to",
+                     "What are the steps to", "Can you explain how to", "What should I do to"),
     "topics": ("Explain", "What is", "Why does"),
 }
 OPENERS["general"] = tuple(o for d in ("stories", "code", "instructions", "topics") for o in OPENERS[d][:1])
@@ -166,7 +170,8 @@ def written_pool(target: LoadedModel, domain: str, n: int, seed: int = 0) -> lis
     per = [n // len(openers) + (i < n % len(openers)) for i in range(len(openers))]
     out: list[str] = []
     for i, (opener, m) in enumerate(zip(openers, per, strict=True)):
-        out += synthesize_prompts(target, m, opener=opener, seed=seed * 1009 + i, max_prompt_tokens=64)
+        if m:
+            out += synthesize_prompts(target, m, opener=opener, seed=seed * 1009 + i, max_prompt_tokens=64)
     rng = random.Random(f"{domain}-written-{seed}")
     rng.shuffle(out)
     return out

@@ -199,11 +199,13 @@ def test_written_pools_ask_the_target_for_each_of_the_domains_openers_in_turn(mo
         return [f"{opener} task {i} (seed {seed})" for i in range(n)]
 
     monkeypatch.setattr(warmstart, "synthesize_prompts", fake)
-    code = written_pool(None, "code", 4, seed=1)
-    assert len(code) == len(set(code)) == 4
-    assert [(o, n) for o, n, _ in calls] == list(zip(OPENERS["code"], (2, 1, 1), strict=True))
-    assert len({seed for _, _, seed in calls}) == 3
-    assert written_pool(None, "code", 4, seed=1) == code
+    code = written_pool(None, "code", 8, seed=1)
+    assert len(code) == len(set(code)) == 8
+    assert [(o, n) for o, n, _ in calls] == list(zip(OPENERS["code"], (2, 2, 1, 1, 1, 1), strict=True))
+    assert len({seed for _, _, seed in calls}) == 6
+    assert written_pool(None, "code", 8, seed=1) == code
+    calls.clear()
+    assert len(written_pool(None, "code", 4, seed=1)) == 4 and len(calls) == 4  # no call for an opener's 0
     with pytest.raises(ValueError, match="unknown domain 'poetry'"):
         written_pool(None, "poetry", 2)
 
