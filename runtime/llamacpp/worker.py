@@ -246,8 +246,10 @@ class LlamaServerWorker:
         timings = final.get("timings") or {}
         drafted, accepted = int(timings.get("draft_n") or 0), int(timings.get("draft_n_accepted") or 0)
         steps = max(len(out) - accepted, 0)  # each target forward yields its accepted drafts + one token
-        stats = RequestStats(prompt_tokens=len(req.prompt_ids), output_tokens=len(out), steps=steps,
-                             drafted=drafted, accepted=accepted,
+        processed = timings.get("prompt_n")  # prompt tokens evaluated; the rest came from llama-server's cache
+        reused = max(len(req.prompt_ids) - int(processed), 0) if processed is not None else 0
+        stats = RequestStats(prompt_tokens=len(req.prompt_ids), reused_prompt_tokens=reused, output_tokens=len(out),
+                             steps=steps, drafted=drafted, accepted=accepted,
                              prefill_s=float(timings.get("prompt_ms") or 0.0) / 1000, total_s=total_s)
         trace = RequestTrace(
             request_id=job.id, prompt_ids=list(req.prompt_ids), output_ids=out, steps=[],
