@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from bench.traffic import (
+    OPENERS,
     THREADS_HELP,
     Request,
     cached_requests,
@@ -114,6 +115,8 @@ def load_traffic(target, args, cache: Path) -> list[Request]:
     for domain in args.domains.split(","):
         key = {"target": target.model_id, "domain": domain, "per_domain": args.per_domain,
                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "topk": 8, "pool": args.pool}
+        if args.pool == "written":  # what the target was asked to write
+            key["openers"] = list(OPENERS[domain])
 
         def answer(domain: str = domain) -> list[Request]:
             n, seed = args.per_domain, args.seed
