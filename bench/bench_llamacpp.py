@@ -151,8 +151,7 @@ def main() -> None:
             for name, up in ups.items():
                 out, dt, t = completion(up, ids, args.max_new_tokens)
                 rows[name].append({"tokens": len(out), "s": dt, "drafted": int(t.get("draft_n", 0)),
-                                   "accepted": int(t.get("draft_n_accepted", 0)), "out": out,
-                                   "prompt": int(t.get("prompt_n") or len(ids))})
+                                   "accepted": int(t.get("draft_n_accepted", 0)), "out": out})
             if ours is not None:
                 t0 = time.perf_counter()
                 res = ours.generate(ids, SamplingParams(max_new_tokens=args.max_new_tokens))
@@ -173,15 +172,15 @@ def live_check(ruled: list[dict], alone: list[dict], steps, n_max: int) -> tuple
     of them (`RuleGuard.WINDOW` requests or `WINDOW_STEPS` steps) served under `FLOOR` by
     llama-server's counts, then llama-server alone's (the head-less restart is its command line).
     Returns the rows and the 1-based request from which the head is off (None: never)."""
-    out, tokens, n_steps, drafted, prompt, n = [], 0, 0, 0, 0, 0
+    out, tokens, n_steps, drafted, n = [], 0, 0, 0, 0
     for i, r in enumerate(ruled):
         out.append(r)
-        n, tokens, drafted, prompt = n + 1, tokens + r["tokens"], drafted + r["drafted"], prompt + r.get("prompt", 0)
+        n, tokens, drafted = n + 1, tokens + r["tokens"], drafted + r["drafted"]
         n_steps += r["tokens"] - r["accepted"]
         if RuleGuard.window_full(n, n_steps):
-            if served_speedup(tokens, n_steps, drafted, steps, n_max, prompt) < RuleGuard.FLOOR:
+            if served_speedup(tokens, n_steps, drafted, steps, n_max) < RuleGuard.FLOOR:
                 return out + alone[i + 1:], i + 2
-            n = tokens = n_steps = drafted = prompt = 0
+            n = tokens = n_steps = drafted = 0
     return out, None
 
 

@@ -14,9 +14,7 @@ from runtime.llamacpp.costs import (
     choose_spec,
     draft_cost,
     expected_speedup,
-    measure_step_costs,
     parse_bench_json,
-    served_speedup,
 )
 from runtime.llamacpp.upstream import SpecParams
 
@@ -93,59 +91,3 @@ def test_llama_bench_json_rows_become_forward_costs_from_the_median_sample():
         parse_bench_json(json.dumps(rows), 4)
     with pytest.raises(LivedraftError, match="cannot read llama-bench"):
         parse_bench_json("not json", 3)
-
-
-def test_the_live_check_charges_the_heads_pass_over_each_prompt():
-    """Served counts of 100 tokens in 80 steps, 60 drafted at n-max 3, where a step drafting 3 costs
-    1.3: 100 / (80 + 6) = 1.16x the target alone. The head adds 0.05 ms to each prompt token against
-    a 10 ms step (0.005 steps): 2,000 prompt tokens processed cost 10 steps more, 100 / 96 = 1.04x.
-    Prompt tokens llama-server reused from its cache are not passed over again (not counted)."""
-    costs = StepCosts((0.010, 0.011, 0.012, 0.013), prompt_seconds=(0.0002, 0.00025))
-    assert costs.prompt_extra == pytest.approx(0.005)
-    assert served_speedup(100, 80, 60, costs, 3) == pytest.approx(100 / 86)
-    assert served_speedup(100, 80, 60, costs, 3, prompt_tokens=2000) == pytest.approx(100 / 96)
-    assert StepCosts((0.010, 0.011), prompt_seconds=(0.0003, 0.0002)).prompt_extra == 0.0  # noise: never a credit
-    assert StepCosts((0.010, 0.011)).prompt_extra == 0.0
-
-
-class _Probe:
-    """A fake llama-server for measure_step_costs: a step and a prompt token cost more with a head."""
-
-    started: list[int] = []
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def start(self):
-        _Probe.started.append(self.n)
-        return self
-
-    def stop(self):
-        pass
-
-    def open_stream(self, body, timeout):
-        import io
-
-        t = {"predicted_n": 32, "predicted_ms": 320.0 * (1 + 0.1 * self.n), "draft_n_accepted": 0,
-             "prompt_n": 64, "prompt_ms": 64 * (0.2 if self.n == 0 else 0.25)}
-
-        class Conn:
-            def close(self):
-                pass
-
-        return Conn(), io.BytesIO(json.dumps({"timings": t}).encode())
-
-
-def test_step_and_prompt_costs_are_measured_once_and_a_cache_without_prompt_costs_is_measured_again(
-        tmp_path, monkeypatch):
-    import runtime.llamacpp.costs as costs_mod
-
-    monkeypatch.setattr(costs_mod, "Upstream", lambda launch, version: _Probe(launch))
-    cache = tmp_path / "steps.json"
-    cache.write_text(json.dumps({"seconds": [0.01, 0.02]}))  # written before prompt costs were measured
-    _Probe.started = []
-    c = measure_step_costs(lambda spec: spec.n_max, cache, max_n=2, requests=2)
-    assert _Probe.started == [0, 1, 2]
-    assert c.seconds == pytest.approx((0.010, 0.011, 0.012))
-    assert c.prompt_seconds == pytest.approx((0.0002, 0.00025)) and c.prompt_extra == pytest.approx(0.005)
-    assert measure_step_costs(lambda spec: spec.n_max, cache, max_n=2) == c and _Probe.started == [0, 1, 2]

@@ -147,7 +147,7 @@ class RuleGuard:
         self.window, self.window_steps, self.floor, self.reprobe = window, window_steps, floor, reprobe
         self.switches = 0
         self._lock = threading.Lock()
-        self._counts: dict[int, list[int]] = {}  # id(upstream) -> [requests, tokens, steps, drafted, prompt]
+        self._counts: dict[int, list[int]] = {}  # id(upstream) -> [requests, tokens, steps, drafted]
         self._busy = False
 
     @staticmethod
@@ -160,10 +160,9 @@ class RuleGuard:
         if up is not self.slot.get() or up.head_rule is None:
             return
         with self._lock:
-            c = self._counts.setdefault(id(up), [0, 0, 0, 0, 0])
+            c = self._counts.setdefault(id(up), [0, 0, 0, 0])
             c[0] += 1
             c[1], c[2], c[3] = c[1] + stats.output_tokens, c[2] + stats.steps, c[3] + stats.drafted
-            c[4] += stats.prompt_tokens - stats.reused_prompt_tokens  # the head passes over these too
             if up.launch.head is not None:
                 due = self.window_full(c[0], c[2], self.window, self.window_steps)
             else:
@@ -172,16 +171,16 @@ class RuleGuard:
             if not due:
                 return
             self._busy = True
-            requests, *counts = c
+            requests, tokens, steps, drafted = c
             self._counts.pop(id(up))
-        threading.Thread(target=self._check, args=(up, requests, *counts), name="livedraft-rule-guard",
+        threading.Thread(target=self._check, args=(up, requests, tokens, steps, drafted), name="livedraft-rule-guard",
                          daemon=True).start()
 
-    def _check(self, up: Upstream, requests: int, tokens: int, steps: int, drafted: int, prompt: int) -> None:
+    def _check(self, up: Upstream, requests: int, tokens: int, steps: int, drafted: int) -> None:
         try:
             head, spec = up.head_rule
             if up.launch.head is not None:
-                gain = served_speedup(tokens, steps, drafted, self.factory.step_costs(head), spec.n_max, prompt)
+                gain = served_speedup(tokens, steps, drafted, self.factory.step_costs(head), spec.n_max)
                 if gain >= self.floor:
                     return
                 log.warning("drafter %s on llama-server gave %.2fx the target alone over its last %d requests: "

@@ -43,17 +43,9 @@ MARGIN = 1.05  # drafting must promise this speed-up over the target alone, or n
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of one decoding step: [0] the target alone, [n] drafting n tokens (n = 1 .. MAX_N);
-    and seconds per prompt token processed, the target alone and with the head (whose own pass over
-    each prompt is not amortised over a short answer)."""
+    """Seconds of one decoding step: [0] the target alone, [n] drafting n tokens (n = 1 .. MAX_N)."""
 
     seconds: tuple[float, ...]
-    prompt_seconds: tuple[float, float] = (0.0, 0.0)
-
-    @property
-    def prompt_extra(self) -> float:
-        """What the head adds to a prompt token's processing, in target-alone decoding steps (>= 0)."""
-        return max(self.prompt_seconds[1] - self.prompt_seconds[0], 0.0) / self.seconds[0]
 
     def ratio(self, n: int) -> float:
         """C(n); beyond the measured range, grows linearly from the last two points."""
@@ -107,13 +99,11 @@ def choose_spec(acceptance: Sequence[float] | None, costs: StepCosts, *, margin:
     return SpecParams(best_n, round(min(max(marginal, 0.0), 0.9), 4)), best
 
 
-def served_speedup(tokens: int, steps: int, drafted: int, costs: StepCosts, n_max: int,
-                   prompt_tokens: int = 0) -> float:
+def served_speedup(tokens: int, steps: int, drafted: int, costs: StepCosts, n_max: int) -> float:
     """What drafting gave served traffic, from llama-server's counts: tokens over the steps' cost in
     target-alone steps, a step costing 1 plus (C(n_max) - 1) / n_max per drafted token (a draft
-    cut short by p-min costs its share), plus the head's pass over the `prompt_tokens` processed
-    (`StepCosts.prompt_extra` each)."""
-    cost = steps + drafted * (costs.ratio(n_max) - 1.0) / max(n_max, 1) + prompt_tokens * costs.prompt_extra
+    cut short by p-min costs its share)."""
+    cost = steps + drafted * (costs.ratio(n_max) - 1.0) / max(n_max, 1)
     return tokens / cost if cost > 0 else 1.0
 
 
@@ -151,32 +141,25 @@ def measure_step_costs(launch: Callable[[SpecParams], LaunchSpec], cache: Path, 
                        requests: int = 3, tokens: int = 32) -> StepCosts:
     """C(0..max_n) for `launch(spec)` (a llama-server with the head at `spec`, or none at
     SpecParams(0)): seconds per decoding step from llama-server's own timings (generation only),
-    the median of `requests` requests per draft length; and seconds per prompt token (prompt
-    processing), the target alone's and the median with the head over every draft length. Cached
-    in `cache` (a JSON file; one written before prompt costs were measured is measured again)."""
+    the median of `requests` requests per draft length. Cached in `cache` (a JSON file)."""
     if cache.is_file():
-        data = json.loads(cache.read_text())
-        if "prompt_seconds" in data:
-            return StepCosts(tuple(data["seconds"]), tuple(data["prompt_seconds"]))
+        return StepCosts(tuple(json.loads(cache.read_text())["seconds"]))
     log.info("measuring llama-server's step costs for drafts of 0..%d tokens (once per machine, target and "
              "head architecture)", max_n)
-    seconds, prompt = [], []
+    seconds = []
     for n in range(max_n + 1):
         up = Upstream(launch(SpecParams(n, 0.0)), version=f"cost-probe-{n}").start()
         try:
-            timed = [_timings(up, tokens) for _ in range(requests + 1)][1:]  # the first warms up
+            per_step = [_step_seconds(up, tokens) for _ in range(requests + 1)][1:]  # the first warms up
         finally:
             up.stop()
-        seconds.append(statistics.median(step for step, _ in timed))
-        prompt.append(statistics.median(p for _, p in timed))
-    prompt_seconds = (prompt[0], statistics.median(prompt[1:]) if max_n else prompt[0])
+        seconds.append(statistics.median(per_step))
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"seconds": seconds, "prompt_seconds": prompt_seconds}))
-    return StepCosts(tuple(seconds), prompt_seconds)
+    cache.write_text(json.dumps({"seconds": seconds}))
+    return StepCosts(tuple(seconds))
 
 
-def _timings(up: Upstream, tokens: int) -> tuple[float, float]:
-    """(seconds per decoding step, seconds per prompt token) of one request, from its timings."""
+def _step_seconds(up: Upstream, tokens: int) -> float:
     body = {"prompt": PROBE_PROMPT, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
             "ignore_eos": True}
     conn, resp = up.open_stream({**body, "stream": False}, 120.0)
@@ -185,8 +168,7 @@ def _timings(up: Upstream, tokens: int) -> tuple[float, float]:
     finally:
         conn.close()
     steps = max(int(t["predicted_n"]) - int(t.get("draft_n_accepted") or 0), 1)
-    prompt_n = max(int(t.get("prompt_n") or len(PROBE_PROMPT)), 1)
-    return float(t["predicted_ms"]) / 1000 / steps, float(t.get("prompt_ms") or 0.0) / 1000 / prompt_n
+    return float(t["predicted_ms"]) / 1000 / steps
 
 
 def measure_forward_costs(bench: Path, model: Path, *, threads: int, max_tokens: int = MAX_N + 1,
