@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from bench.traffic import Request, chat_ids, prompt_pool
+from bench.traffic import Request, chat_ids, prompt_pool, segments
 from online.config import TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
@@ -123,11 +123,6 @@ class EagleRun:
     segment_end: dict[str, Path] = field(default_factory=dict)  # domain -> the version serving its last request
 
 
-def segment_ends(traffic: list[Request]) -> dict[int, str]:
-    """Index of each segment's last request -> the segment's domain (tag)."""
-    return {i: r.tag for i, r in enumerate(traffic) if i + 1 == len(traffic) or traffic[i + 1].tag != r.tag}
-
-
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> EagleRun:
     """Frozen and online-adapted head over the stream. With `args.serve_prompts`, the version serving
     each segment's last request is copied to `<out>_served/<domain>` (for the served tokens/s)."""
@@ -148,7 +143,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
     served: list[RequestTrace] = []
     run = EagleRun(frozen, [], [], 0.0, 0, init_dir, logged, passes)
-    ends = segment_ends(traffic) if getattr(args, "serve_prompts", 0) else {}
+    # a segment's last request -> its domain
+    ends = {b - 1: d for d, (_, b) in segments(traffic, args.domains.split(",")).items()} if args.serve_prompts else {}
     for r0 in range(0, len(logged), args.every):
         block = replay(champion_dir, logged[r0 : r0 + args.every], version).traces
         served += block

@@ -59,6 +59,7 @@ from bench.traffic import (
     greedy_traffic,
     prompt_pool,
     request_stats,
+    segments,
     served_trace,
     simulate_steps,
     start_run,
@@ -250,16 +251,6 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def segments(traffic: list[Request], domains: list[str]) -> dict[str, tuple[int, int]]:
-    """Each domain's requests [a, b) in the stream (the domains follow one another)."""
-    bounds, start = {}, 0
-    for d in domains:
-        n = sum(1 for r in traffic if r.tag == d)
-        bounds[d] = (start, start + n)
-        start += n
-    return bounds
-
-
 def served_speed(args, target, traffic: list[Request], versions: dict[str, Path]) -> list[dict]:
     """Tokens/s of the version serving each segment's last request against the target alone, on our
     engine, side by side per prompt (bench.bench_do_no_harm.run_case: the adaptive rule at k <= 8,
@@ -304,16 +295,16 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         a, b = bounds[d]
         fs, ads = summary(frozen[a:b]), summary(adapted[a:b])
         tail = last_third(a, b)
+        f_tail, a_tail = rate(frozen[tail]), rate(adapted[tail])
         row = {"domain": d, "requests": f"{a + 1}-{b}", "frozen": fs, "adapted": ads,
                "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
                "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
                "recovery_requests": recovery(adapted, a, b, 16) if j > 0 else None,
-               "last_third": {"requests": f"{tail.start + 1}-{b}", "frozen": round(rate(frozen[tail]), 3),
-                              "adapted": round(rate(adapted[tail]), 3),
-                              "gain": round(rate(adapted[tail]) - rate(frozen[tail]), 3)}}
+               "last_third": {"requests": f"{tail.start + 1}-{b}", "frozen": round(f_tail, 3),
+                              "adapted": round(a_tail, 3), "gain": round(a_tail - f_tail, 3)}}
         if uns:
             lt, ref = row["last_third"], rate(uns[tail])
-            lt["offline_unseen"], lt["offline_unseen_gain"] = round(ref, 3), round(ref - rate(frozen[tail]), 3)
+            lt["offline_unseen"], lt["offline_unseen_gain"] = round(ref, 3), round(ref - f_tail, 3)
             lt["online_vs_offline_gain"] = (round(lt["gain"] / lt["offline_unseen_gain"], 3)
                                             if lt["offline_unseen_gain"] > 0 else None)
             row["offline_unseen"] = summary(uns[a:b])

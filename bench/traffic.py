@@ -195,6 +195,16 @@ class Request:
     tag: str | None = None
 
 
+def segments(traffic: list[Request], domains: list[str]) -> dict[str, tuple[int, int]]:
+    """Each domain's requests [a, b) in the stream (the domains follow one another)."""
+    bounds, start = {}, 0
+    for d in domains:
+        n = sum(1 for r in traffic if r.tag == d)
+        bounds[d] = (start, start + n)
+        start += n
+    return bounds
+
+
 def cached_requests(cache: Path, key: dict, make: Callable[[], list[Request]]) -> list[Request]:
     """The requests stored in `cache` under `key`; when the file is missing or its key differs,
     `make()`'s, stored there first."""
