@@ -5,7 +5,9 @@ target's features from one teacher-forced pass per request (computed once for th
 from __future__ import annotations
 
 import logging
+import math
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +68,14 @@ def per_request(traces: list[RequestTrace]) -> list[RequestStats]:
             st.record_step(len(s.drafted), s.accepted)
         out.append(st)
     return out
+
+
+def paired_se(a: list[RequestTrace], b: list[RequestTrace]) -> float:
+    """Standard error of the mean per-request difference in mean acceptance length between two
+    replays of the same requests (in order): the gate's noise on a held-out slice of that size."""
+    d = [x.mean_acceptance_length - y.mean_acceptance_length
+         for x, y in zip(per_request(a), per_request(b), strict=True)]
+    return statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
 
 
 def cross_fit(items: list[T], fit: Callable[[list[T], int], M], score: Callable[[M, list[T]], list[R]],
@@ -163,14 +173,15 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         cand_version = f"round{len(run.rounds) + 1}"
         res = distill_eagle(parent_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)
         run.total_steps += res.steps
-        c = ReplayMetrics.from_report(replay(work / cand_version, hold, cand_version))
-        h = ReplayMetrics.from_report(replay(champion_dir, hold, version))
+        c_report, h_report = replay(work / cand_version, hold, cand_version), replay(champion_dir, hold, version)
+        c, h = ReplayMetrics.from_report(c_report), ReplayMetrics.from_report(h_report)
         promoted, reason = decide(c, h, cfg.promote_margin)
         seconds = time.perf_counter() - t0
         run.train_seconds += seconds
         run.rounds.append({"after_request": r0 + len(block), "candidate": cand_version, "promoted": promoted,
                            "candidate_mal": round(c.mean_acceptance_length, 3),
                            "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
+                           "gain_se": round(paired_se(c_report.traces, h_report.traces), 4),
                            "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
         log.info("round %d after %d requests: %s (%.0fs)", len(run.rounds), r0 + len(block), reason, seconds)
         if promoted:

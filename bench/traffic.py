@@ -26,6 +26,7 @@ import json
 import logging
 import random
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,8 @@ from runtime.drafters.model import ModelDrafter
 from runtime.loader import LoadedModel
 from runtime.stats import RequestStats
 from runtime.trace import RequestTrace, StepRecord
+
+log = logging.getLogger(__name__)
 
 _CHARACTERS = ["a shy dragon", "a little robot", "an old fisherman", "a curious cat", "two best friends",
                "a lonely lighthouse keeper", "a brave mouse", "a girl named Mia", "a boy named Sam",
@@ -137,7 +140,7 @@ def prompt_pool(domain: str, n: int, seed: int = 0) -> list[str]:
     rng = random.Random(f"{domain}-{seed}")
     rng.shuffle(pool)
     if n > len(pool):
-        logging.getLogger(__name__).warning("prompt pool %r has %d distinct prompts: %d requested, so some repeat",
+        log.warning("prompt pool %r has %d distinct prompts: %d requested, so some repeat",
                                             domain, len(pool), n)
     return [pool[i % len(pool)] for i in range(n)]
 
@@ -169,9 +172,11 @@ def written_pool(target: LoadedModel, domain: str, n: int, seed: int = 0) -> lis
     openers = OPENERS[domain]
     per = [n // len(openers) + (i < n % len(openers)) for i in range(len(openers))]
     out: list[str] = []
+    t0 = time.perf_counter()
     for i, (opener, m) in enumerate(zip(openers, per, strict=True)):
         if m:
             out += synthesize_prompts(target, m, opener=opener, seed=seed * 1009 + i, max_prompt_tokens=64)
+            log.info("wrote %d of %d %s prompts (%.0fs)", len(out), n, domain, time.perf_counter() - t0)
     rng = random.Random(f"{domain}-written-{seed}")
     rng.shuffle(out)
     return out

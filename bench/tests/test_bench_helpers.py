@@ -125,6 +125,25 @@ def test_cross_fitting_scores_every_item_with_a_model_that_never_trained_on_it()
     assert cross_fit(items, fit, lambda model, xs: [len(model)] * len(xs), folds=3) == [7, 7, 8, 7, 7, 8, 7, 7, 8, 7, 7]
 
 
+def test_the_gates_noise_is_the_standard_error_of_the_paired_per_request_difference():
+    from bench.adaptation_eagle import paired_se
+    from runtime.trace import RequestTrace, StepRecord
+
+    def trace(accepted: list[int]) -> RequestTrace:  # one step per entry, 4 drafted each
+        steps = [StepRecord(pos=i, drafted=[1, 2, 3, 4], source="eagle", accepted=a) for i, a in enumerate(accepted)]
+        return RequestTrace(request_id="r", prompt_ids=[1], output_ids=[1] * 8, steps=steps, target_model="t",
+                            drafter_version="-", max_new_tokens=8, finish_reason="length")
+
+    champion = [trace([0, 0]), trace([1, 1]), trace([2, 2])]  # MAL 1, 2, 3
+    # the candidate gains 1, 1, 1 token a step: no spread, no noise
+    assert paired_se([trace([1, 1]), trace([2, 2]), trace([3, 3])], champion) == 0
+    # gains 0, 1, 2: differences' stdev 1, over sqrt(3) requests
+    assert paired_se([trace([0, 0]), trace([2, 2]), trace([4, 4])], champion) == pytest.approx(1 / 3 ** 0.5)
+    assert paired_se(champion[:1], champion[:1]) != paired_se(champion[:1], champion[:1])  # one request: nan
+    with pytest.raises(ValueError):
+        paired_se(champion, champion[:2])
+
+
 def test_the_gate_holds_out_the_newest_traces_or_the_same_share_spread_over_the_window():
     from bench.adaptation_eagle import held_out
 
