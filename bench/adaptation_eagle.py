@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.traffic import Request, chat_ids, prompt_pool, segments
-from online.config import TrainerConfig
+from online.config import LINEAGES, TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
-from online.trainer.round import ReplayMetrics, decide, target_passes
+from online.trainer.round import ReplayMetrics, decide, target_passes, trains_on
 from online.trainer.warmstart import answer_prompts, warm_start
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
@@ -104,16 +104,17 @@ def held_out(n: int, n_hold: int, mode: str = "newest") -> set[int]:
     raise ValueError(f"unknown holdout mode {mode!r}: newest or spread")
 
 
-def after_gate(champion: Path, parent: Path, candidate: Path, promoted: bool, lineage: str, keep: Path
-               ) -> tuple[Path, Path, set[Path]]:
-    """(champion, the next round's parent, directories no longer needed) after a round's gate.
-    lineage "champion": a round trains from the champion (what the daemon does); "trainee": from the
-    previous round's candidate, promoted or not (the gate still decides what serves). `keep` (the
-    initial head) is never among the unneeded."""
-    if lineage not in ("champion", "trainee"):
-        raise ValueError(f"unknown lineage {lineage!r}: champion or trainee")
+def after_gate(champion: Path, parent: Path, candidate: Path, promoted: bool, lineage: str, keep: Path,
+               trains_on: bool = True) -> tuple[Path, Path, set[Path]]:
+    """(champion, the next round's parent, directories no longer needed) after a round's gate, as
+    the daemon's `trainer.lineage`: "champion", a round trains from the champion; "trainee", from the
+    previous round's candidate, promoted or not, while `trains_on` (online.trainer.round.trains_on:
+    it did not fall behind the champion by more than the margin); the gate still decides what
+    serves. `keep` (the initial head) is never among the unneeded."""
+    if lineage not in LINEAGES:
+        raise ValueError(f"unknown lineage {lineage!r}: one of {LINEAGES}")
     new_champion = candidate if promoted else champion
-    new_parent = candidate if lineage == "trainee" else new_champion
+    new_parent = candidate if lineage == "trainee" and trains_on else new_champion
     return new_champion, new_parent, {champion, parent, candidate} - {keep, new_champion, new_parent}
 
 
@@ -187,7 +188,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         if promoted:
             version = cand_version
         champion_dir, parent_dir, unused = after_gate(champion_dir, parent_dir, work / cand_version, promoted,
-                                                      args.lineage, keep=init_dir)
+                                                      args.lineage, keep=init_dir,
+                                                      trains_on=trains_on(c, h, cfg.promote_margin))
         for d in unused:
             shutil.rmtree(d, ignore_errors=True)
     return run

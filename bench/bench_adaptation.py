@@ -66,7 +66,7 @@ from bench.traffic import (
     teacher_forced_replay,
     written_pool,
 )
-from online.config import TrainerConfig
+from online.config import LINEAGES, TrainerConfig
 from online.trainer.distill import distill
 from online.trainer.round import ReplayMetrics, decide
 from runtime.adaptive import DraftLengthConfig
@@ -154,9 +154,10 @@ def main() -> None:
     ap.add_argument("--vocab-refresh", type=int, default=TrainerConfig.vocab_refresh,
                     help="eagle: a round admits output tokens seen this often in its window into the draft "
                          "vocabulary (0: the vocabulary stays fixed)")
-    ap.add_argument("--lineage", choices=("champion", "trainee"), default="champion",
+    ap.add_argument("--lineage", choices=LINEAGES, default=TrainerConfig.lineage,
                     help="eagle: a round trains from the champion, or from the previous round's candidate "
-                         "whether or not the gate promoted it (the gate still decides what serves)")
+                         "whether or not the gate promoted it, unless it fell behind the champion by more "
+                         "than --margin (the daemon's trainer.lineage; the gate still decides what serves)")
     ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)

@@ -59,6 +59,7 @@ class ModelsConfig:
 
 
 MIXED_PRECISION = ("no", "bf16")  # TrainerConfig.mixed_precision: fp32, or bfloat16 matmuls under autocast
+LINEAGES = ("champion", "trainee")  # TrainerConfig.lineage
 
 
 @dataclass
@@ -93,6 +94,10 @@ class TrainerConfig:
     # -- crossvocab (OmniDraft hybrid distillation) --
     ngram_weight: float = 1.0  # extra cross-entropy weight where several drafter tokens spell one target token
     promote_margin: float = 0.05  # candidate must beat the champion's held-out mean acceptance length by this
+    # what a round trains from: "champion", or "trainee": the last round's candidate, promoted or not, unless its
+    # held-out mean acceptance length fell below the champion's by more than promote_margin (the gate still decides
+    # what serves; a promotion or rollback by hand starts again from the champion)
+    lineage: str = "champion"
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
 

@@ -139,6 +139,25 @@ def test_rollback_returns_to_previous(tmp_path, stories_drafter_dir):
         reg.promote(9)
 
 
+def test_the_trainee_alias_moves_by_hand_and_a_promotion_or_rollback_clears_it(tmp_path, stories_drafter_dir):
+    reg = DrafterRegistry.from_config(Config(data_dir=str(tmp_path)))
+    reg.bootstrap(stories_drafter_dir)
+    assert reg.trainee_version() is None
+    for name in ("c", "d"):
+        reg.log_round(round_result(candidate_dir(stories_drafter_dir, tmp_path / name, f"cand-{name}"),
+                                   f"cand-{name}", "1", False))
+    reg.set_trainee(3)
+    assert reg.trainee_version() == 3 and {v.version: v.aliases for v in reg.history()}[3] == ["trainee"]
+    reg.set_trainee(None)
+    reg.set_trainee(None)  # clearing an absent alias is a no-op
+    assert reg.trainee_version() is None
+    reg.set_trainee(3)
+    reg.promote(2)  # a new champion: the lineage starts again from it
+    assert reg.trainee_version() is None and reg.champion_version() == 2
+    reg.set_trainee(3)
+    assert reg.tag_rolled_back(2, {}, reason="collapse") == 1 and reg.trainee_version() is None
+
+
 def test_registry_refuses_the_projects_own_database(tmp_path):
     url = f"sqlite:///{tmp_path / 'livedraft.db'}"
     cfg = Config(data_dir=str(tmp_path), store=StoreConfig(url), registry=RegistryConfig(tracking_uri=url))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from online.config import Config, ConfigError, DaemonConfig
+from online.config import Config, ConfigError, DaemonConfig, TrainerConfig
 from online.registry import LocalDrafter, LoggedRound
 from online.trainer.common import NotEnoughData
 from online.trainer.round import TraceWindow
@@ -41,6 +41,8 @@ class FakeRegistry:
         self.logged: list = []
         self.path = tmp
 
+        self.trainee: int | None = None
+
     def champion(self):
         return LocalDrafter(self.version, self.path)
 
@@ -48,8 +50,17 @@ class FakeRegistry:
         self.logged.append(result)
         v = len(self.logged) + 1
         if result.promoted:
-            self.version = v
+            self.version, self.trainee = v, None
         return LoggedRound(f"run-{v}", v, result.promoted)
+
+    def trainee_version(self):
+        return self.trainee
+
+    def set_trainee(self, version):
+        self.trainee = version
+
+    def download(self, version):
+        return self.path / f"v{version}"
 
 
 def fake_result(promoted: bool = True, mal: float = 2.0):
@@ -84,6 +95,33 @@ def test_a_failing_round_is_recorded_and_retried(tmp_path):
     assert second.champion_version == 2 and reg.version == 2
     assert svc.stats.consecutive_failures == 0 and svc.stats.promoted == 1
     assert not any(Path(w).exists() for w in calls)  # work dirs are cleaned up either way
+
+
+def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind(tmp_path):
+    parents, verdicts = [], iter([(False, 1.48), (False, 1.2), (True, 2.0), (False, 1.5)])
+
+    def round_fn(window, champion_dir, work, cfg, *, parent_dir, parent_version, **kw):
+        parents.append((parent_version, parent_dir))
+        promoted, mal = next(verdicts)
+        return fake_result(promoted, mal)  # the champion scores 1.5; margin 0.05
+
+    cfg = Config(data_dir=str(tmp_path), trainer=TrainerConfig(lineage="trainee"))
+    reg = FakeRegistry(tmp_path)
+    svc = TrainerService(cfg, FakeStore(50), reg, round_fn=round_fn)
+    for _ in range(4):
+        assert svc.run_round_once().ok
+    assert parents == [
+        ("1", tmp_path),  # no trainee yet: from the champion
+        ("2", tmp_path / "v2"),  # version 2 lost by 0.02 < margin: the lineage goes on from it
+        ("1", tmp_path),  # version 3 lost by 0.3: back to the champion
+        ("4", tmp_path),  # version 4 won and is the champion
+    ]
+    assert reg.trainee == 5
+
+    plain, seen = Config(data_dir=str(tmp_path)), []
+    svc = TrainerService(plain, FakeStore(50), reg, round_fn=lambda w, c, work, cfg, **kw: seen.append(
+        kw["parent_version"]) or fake_result(False, 1.5))
+    assert svc.run_round_once().ok and seen == ["4"] and reg.trainee == 5  # lineage "champion": never moves it
 
 
 def test_a_window_without_room_for_training_is_a_config_error(tmp_path):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 
 from online.config import Config, TrainerConfig
 from online.registry import DrafterRegistry
-from online.trainer.common import NotEnoughData
+from online.trainer.common import NotEnoughData, TrainingError
 from online.trainer.round import ListSource, ReplayMetrics, decide, run_round, split_window
 from runtime.drafters.factory import load_model_drafter
 from runtime.drafters.lookup import PromptLookupDrafter
@@ -69,6 +70,25 @@ def test_round_refuses_a_candidate_that_does_not_clear_the_margin(stories, stori
     assert not res.promoted
     assert res.reason.startswith("not promoted: ") and "+ margin 0.050" in res.reason
     assert res.candidate_dir.is_dir()  # kept: the registry still records the losing candidate
+
+
+def test_a_round_trains_from_its_parent_and_gates_against_the_champion(stories, stories_drafter_dir, story_traffic,
+                                                                      tmp_path):
+    window = split_window(story_traffic[:12], 0.25)
+    cfg = TrainerConfig(steps=1, lr=1e-6)
+    parent = tmp_path / "parent"
+    shutil.copytree(stories_drafter_dir, parent)
+    res = run_round(window, stories_drafter_dir, tmp_path / "work", cfg, champion_version="1", target=stories,
+                    parent_dir=parent, parent_version="7")
+    assert (res.champion_version, res.parent_version, res.champion_dir) == ("1", "7", stories_drafter_dir)
+    meta = json.loads((res.candidate_dir / DRAFTER_META).read_text())
+    assert meta["parent_registry_version"] == "7"
+    same = run_round(window, stories_drafter_dir, tmp_path / "work2", cfg, champion_version="1", target=stories)
+    assert same.parent_version is None  # from the champion
+    meta = json.loads((parent / DRAFTER_META).read_text()) if (parent / DRAFTER_META).is_file() else {}
+    (parent / DRAFTER_META).write_text(json.dumps({**meta, "kind": "crossvocab"}))
+    with pytest.raises(TrainingError, match="not a drafter of the champion's kind"):
+        run_round(window, stories_drafter_dir, tmp_path / "work3", cfg, target=stories, parent_dir=parent)
 
 
 def test_a_real_round_goes_into_the_registry(stories, stories_drafter_dir, promoted_round, tmp_path):

@@ -166,6 +166,9 @@ def test_a_round_trains_from_the_champion_or_from_the_last_candidate_and_frees_w
     # trainee: the next round trains on from the candidate even when the gate rejected it
     assert after_gate(champ, champ, cand, False, "trainee", keep=init) == (champ, cand, set())
     assert after_gate(champ, Path("round1b"), cand, False, "trainee", keep=init) == (champ, cand, {Path("round1b")})
+    # ... unless the candidate fell behind the champion by more than the margin: back to the champion
+    assert after_gate(champ, Path("round1b"), cand, False, "trainee", keep=init, trains_on=False) == (
+        champ, champ, {Path("round1b"), cand})
     # the initial head is never freed
     assert after_gate(init, init, cand, True, "champion", keep=init) == (cand, cand, set())
     assert after_gate(init, init, cand, False, "champion", keep=init) == (init, init, {cand})

@@ -8,6 +8,7 @@ from online.registry.versions import (
     GGUF_ARTIFACT,
     PREVIOUS,
     SPECULATORS_ARTIFACTS,
+    TRAINEE,
     DrafterRegistry,
     LocalDrafter,
     LoggedRound,
@@ -16,5 +17,6 @@ from online.registry.versions import (
     VersionInfo,
 )
 
-__all__ = ["CHAMPION", "DRAFTER_ARTIFACTS", "GGUF_ARTIFACT", "PREVIOUS", "SPECULATORS_ARTIFACTS", "DrafterRegistry",
-           "LocalDrafter", "LoggedRound", "RegistryError", "RegistrySettings", "UiServer", "VersionInfo", "start_ui"]
+__all__ = ["CHAMPION", "DRAFTER_ARTIFACTS", "GGUF_ARTIFACT", "PREVIOUS", "SPECULATORS_ARTIFACTS", "TRAINEE",
+           "DrafterRegistry", "LocalDrafter", "LoggedRound", "RegistryError", "RegistrySettings", "UiServer",
+           "VersionInfo", "start_ui"]

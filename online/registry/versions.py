@@ -4,7 +4,8 @@ Default stores live in the data directory: tracking + registry in
 `sqlite:///<data_dir>/mlflow.db`, artifacts under `<data_dir>/mlartifacts` —
 never the project's own database. Aliases carry the serving decision:
 `champion` is what the runtime loads (`models:/<name>@champion`), `previous`
-is where a rollback returns to. Versions are tagged with their parent version,
+is where a rollback returns to, `trainee` (with `trainer.lineage = "trainee"`)
+is what the next round trains from. Versions are tagged with their parent version,
 data window, target model, loss and eval metrics.
 
 mlflow is imported lazily (inside this module's functions), so `import online`
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
 PREVIOUS = "previous"
+TRAINEE = "trainee"  # trainer.lineage = "trainee": the version the next round trains from, promoted or not
 DRAFTER_ARTIFACTS = "drafter"  # artifact sub-path holding the drafter directory
 SPECULATORS_ARTIFACTS = "speculators"  # eagle versions: the same head as vLLM loads it (speculators Eagle3)
 GGUF_ARTIFACT = "gguf/head.gguf"  # eagle versions with a known target: the head as llama-server loads it (-md)
@@ -229,6 +231,17 @@ class DrafterRegistry:
                                 "with an initial drafter first (DrafterRegistry.bootstrap)")
         return LocalDrafter(version, self.download(version))
 
+    def trainee_version(self) -> int | None:
+        """The version under alias `trainee` (what the next round trains from), or None."""
+        return self._alias(TRAINEE)
+
+    def set_trainee(self, version: int | None) -> None:
+        """Moves `trainee` to `version`; None removes it (the next round trains from the champion)."""
+        if version is not None:
+            self.client.set_registered_model_alias(self.name, TRAINEE, str(version))
+        elif self._alias(TRAINEE) is not None:
+            self.client.delete_registered_model_alias(self.name, TRAINEE)
+
     def download(self, version: int) -> Path:
         """The drafter directory of `version`, from the cache or downloaded (atomically) into it."""
         dst = self.settings.cache_dir / self.name / f"v{version}"
@@ -285,6 +298,7 @@ class DrafterRegistry:
         if current is not None:
             self.client.set_registered_model_alias(self.name, PREVIOUS, str(current))
         self.client.set_registered_model_alias(self.name, CHAMPION, str(version))
+        self.set_trainee(None)  # a new champion starts the lineage again (a round's trainer sets it after)
         self.client.set_model_version_tag(self.name, str(version), "promoted_at", _now())
         log.info("registry: %s version %d is champion (previous %s)", self.name, version, current)
 
@@ -308,6 +322,7 @@ class DrafterRegistry:
             return champion
         self.client.set_registered_model_alias(self.name, CHAMPION, str(previous))
         self.client.delete_registered_model_alias(self.name, PREVIOUS)
+        self.set_trainee(None)  # the lineage grew from the version rolled back: start again from the champion
         log.warning("registry: rolled %s back from version %d to %d", self.name, version, previous)
         return previous
 
@@ -446,7 +461,8 @@ def _version_tags(result: RoundResult, target_model: str) -> dict[str, str]:
     from runtime.drafters.factory import drafter_kind
 
     return {
-        "kind": "round", "parent_version": result.champion_version, "drafter_version": result.candidate_version,
+        "kind": "round", "parent_version": result.parent_version or result.champion_version,
+        "champion_version": result.champion_version, "drafter_version": result.candidate_version,
         "drafter_kind": drafter_kind(result.candidate_dir),
         "target_model": target_model, "loss": result.config.loss, "data_window": json.dumps(result.window),
         "promoted": str(result.promoted).lower(), "reason": result.reason,
@@ -465,7 +481,8 @@ def _round_params(result: RoundResult, target_model: str) -> dict[str, str]:
     keys += ["lora_r", "lora_alpha", "lora_target_modules"] if cfg.lora else []
     params = {k: str(getattr(cfg, k)) for k in keys}
     params.update({f"window_{k}": str(v) for k, v in result.window.items() if v is not None})
-    params.update(base_version=result.champion_version, candidate_version=result.candidate_version)
+    params.update(base_version=result.parent_version or result.champion_version,
+                  champion_version=result.champion_version, candidate_version=result.candidate_version)
     if target_model:
         params["target_model"] = target_model
     return params

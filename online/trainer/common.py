@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from online.config import MIXED_PRECISION, TrainerConfig
+from online.config import LINEAGES, MIXED_PRECISION, TrainerConfig
 from online.trainer.losses import DIVERGENCES
 from online.trainer.windows import NotEnoughData
 from runtime.errors import LivedraftError
@@ -68,6 +68,8 @@ def check_config(cfg: TrainerConfig) -> None:
     if cfg.mixed_precision not in MIXED_PRECISION:
         raise TrainingError(f"[trainer] mixed_precision {cfg.mixed_precision!r} is unknown: choose one of "
                             f"{list(MIXED_PRECISION)}")
+    if cfg.lineage not in LINEAGES:
+        raise TrainingError(f"[trainer] lineage {cfg.lineage!r} is unknown: choose one of {list(LINEAGES)}")
     if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):
         raise TrainingError("[trainer] lora needs lora_r >= 1 and a non-empty lora_target_modules")
 

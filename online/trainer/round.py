@@ -80,6 +80,7 @@ class RoundResult:
     window: dict[str, Any]  # TraceWindow.describe()
     config: TrainerConfig
     seconds: float
+    parent_version: str | None = None  # what the candidate trained from, when not the champion (lineage "trainee")
 
 
 def run_round(
@@ -91,8 +92,12 @@ def run_round(
     champion_version: str | None = None,
     candidate_version: str | None = None,
     target: LoadedModel | None = None,
+    parent_dir: str | os.PathLike | None = None,
+    parent_version: str | None = None,
 ) -> RoundResult:
     """Trains a candidate into `work_dir/<candidate_version>` and gates it against the champion.
+    The candidate trains from `parent_dir` (`trainer.lineage = "trainee"`: the last round's
+    candidate), by default from the champion; it must be a drafter of the champion's kind.
 
     Blocks for training plus two replays. For a model drafter `target` (optional) only adds the
     vocabulary check; an eagle (Eagle3) champion needs it: one teacher-forced target pass per
@@ -109,6 +114,9 @@ def run_round(
     if not window.train:
         raise NotEnoughData("the training window is empty: wait for more traffic")
     kind = kind_of_dir(champion_dir)
+    parent_dir = champion_dir if parent_dir is None else parent_dir
+    if kind_of_dir(parent_dir) != kind:
+        raise TrainingError(f"the round's parent {parent_dir} is not a drafter of the champion's kind ({kind.name})")
     passes = None
     if kind.features:
         if target is None:
@@ -122,16 +130,18 @@ def run_round(
     champion_version = champion_version or champ.drafter
     candidate_version = candidate_version or f"cand-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     out = Path(work_dir) / candidate_version
-    provenance = {"window": window.describe(), "parent_registry_version": champion_version}
-    log.info("round: training %s from %s (%s trainer, %d steps)", candidate_version, champion_version,
+    parent_version = champion_version if parent_dir == champion_dir else (parent_version or str(parent_dir))
+    provenance = {"window": window.describe(), "parent_registry_version": parent_version}
+    log.info("round: training %s from %s (%s trainer, %d steps)", candidate_version, parent_version,
              kind.trainer, cfg.steps)
     train = TRAINERS[kind.trainer]
-    training = train(champion_dir, window.train, out, cfg, target, passes, candidate_version, provenance)
+    training = train(Path(parent_dir), window.train, out, cfg, target, passes, candidate_version, provenance)
     cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)
     log.info("round: %s", reason)
     return RoundResult(out, candidate_version, Path(champion_dir), champion_version, cand, champ, promoted,
-                       reason, training, window.describe(), cfg, time.perf_counter() - t0)
+                       reason, training, window.describe(), cfg, time.perf_counter() - t0,
+                       None if parent_dir == champion_dir else parent_version)
 
 
 Trainer = Callable[..., DistillResult]
@@ -183,6 +193,12 @@ def score_drafter(
     passes = {**(passes or {}), **target_passes(target, drafter.config.aux_layers, missing)}
     return ReplayMetrics.from_report(replay_traces(traces, drafter, length=length, vocab_size=vocab,
                                                    features=lambda t: passes[t.request_id].features))
+
+
+def trains_on(candidate: ReplayMetrics, champion: ReplayMetrics, margin: float) -> bool:
+    """Lineage "trainee": whether the next round trains from this candidate -- unless it fell below
+    the champion's held-out mean acceptance length by more than `margin` (then from the champion)."""
+    return candidate.mean_acceptance_length >= champion.mean_acceptance_length - margin
 
 
 def decide(candidate: ReplayMetrics, champion: ReplayMetrics, margin: float) -> tuple[bool, str]:

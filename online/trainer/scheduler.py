@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Protocol
 
 from online.config import Config, ConfigError
-from online.registry import DrafterRegistry
+from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
-from online.trainer.round import RoundResult, TraceWindow, run_round
+from online.trainer.round import RoundResult, TraceWindow, run_round, trains_on
 from runtime.errors import LivedraftError
 from runtime.loader import LoadedModel
 
@@ -139,15 +139,18 @@ class TrainerService:
             newest = self.store.max_id()
             window = self.store.training_window(d.window_traces, d.holdout_traces, tag=d.tag or None)
             champion = self.registry.champion()
+            parent = self._parent(champion)
             if self._stopping.is_set():
                 return done("stopped", "shutting down before training")
             work = self.work_dir / f"round-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
             try:
                 result = self.round_fn(window, champion.path, work, self.cfg.trainer,
-                                       champion_version=str(champion.version), target=self.target)
+                                       champion_version=str(champion.version), target=self.target,
+                                       parent_dir=parent.path, parent_version=str(parent.version))
                 if self._stopping.is_set():  # the safe point: nothing registered yet, traces stay in the store
                     return done("stopped", "shutting down: round abandoned before registering")
                 logged = self.registry.log_round(result, target_model=self._target_model())
+                self._continue_lineage(result, logged.version)
             finally:
                 shutil.rmtree(work, ignore_errors=True)  # the registry holds the candidate now
         except NotEnoughData as e:
@@ -165,6 +168,21 @@ class TrainerService:
                     candidate_mean_acceptance_length=result.candidate.mean_acceptance_length,
                     champion_mean_acceptance_length=result.champion.mean_acceptance_length,
                     window_end=window.end)
+
+    def _parent(self, champion: LocalDrafter) -> LocalDrafter:
+        """What this round trains from: the champion, or with `trainer.lineage = "trainee"` the
+        version under the registry's `trainee` alias (the last round's candidate) while there is one."""
+        version = self.registry.trainee_version() if self.cfg.trainer.lineage == "trainee" else None
+        if version is None or version == champion.version:
+            return champion
+        return LocalDrafter(version, self.registry.download(version))
+
+    def _continue_lineage(self, result: RoundResult, version: int) -> None:
+        """With `trainer.lineage = "trainee"`, the next round trains from this round's candidate
+        unless it scored below the champion by more than the promotion margin (then from the champion)."""
+        if self.cfg.trainer.lineage == "trainee":
+            keep = trains_on(result.candidate, result.champion, self.cfg.trainer.promote_margin)
+            self.registry.set_trainee(version if keep else None)
 
     def _record(self, o: RoundOutcome) -> None:
         s = self.stats
