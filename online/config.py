@@ -97,7 +97,7 @@ class TrainerConfig:
     # what a round trains from: "champion", or "trainee": the last round's candidate, promoted or not, unless its
     # held-out mean acceptance length fell below the champion's by more than promote_margin (the gate still decides
     # what serves; a promotion or rollback by hand starts again from the champion)
-    lineage: str = "champion"
+    lineage: str = "trainee"
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
 

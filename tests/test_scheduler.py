@@ -118,7 +118,7 @@ def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind
     ]
     assert reg.trainee == 5
 
-    plain, seen = Config(data_dir=str(tmp_path)), []
+    plain, seen = Config(data_dir=str(tmp_path), trainer=TrainerConfig(lineage="champion")), []
     svc = TrainerService(plain, FakeStore(50), reg, round_fn=lambda w, c, work, cfg, **kw: seen.append(
         kw["parent_version"]) or fake_result(False, 1.5))
     assert svc.run_round_once().ok and seen == ["4"] and reg.trainee == 5  # lineage "champion": never moves it

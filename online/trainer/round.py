@@ -1,5 +1,6 @@
-"""One training round: distil a candidate from the champion on a window of traffic,
-score both by teacher-forced replay on held-out recent traffic, promote only on a clear win.
+"""One training round: distil a candidate from its parent (the champion, or the last round's
+candidate: `trainer.lineage`) on a window of traffic, score it and the champion by teacher-forced
+replay on held-out recent traffic, promote only on a clear win.
 
 The held-out slice is the newest part of the window and never trained on, so
 the gate measures what serving the next traffic with the candidate would do.
