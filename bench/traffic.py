@@ -140,8 +140,7 @@ def prompt_pool(domain: str, n: int, seed: int = 0) -> list[str]:
     rng = random.Random(f"{domain}-{seed}")
     rng.shuffle(pool)
     if n > len(pool):
-        log.warning("prompt pool %r has %d distinct prompts: %d requested, so some repeat",
-                                            domain, len(pool), n)
+        log.warning("prompt pool %r has %d distinct prompts: %d requested, so some repeat", domain, len(pool), n)
     return [pool[i % len(pool)] for i in range(n)]
 
 

@@ -98,7 +98,7 @@ def test_a_failing_round_is_recorded_and_retried(tmp_path):
 
 
 def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind(tmp_path):
-    parents, verdicts = [], iter([(False, 1.48), (False, 1.2), (True, 2.0), (False, 1.5)])
+    parents, verdicts = [], iter([(False, 1.48), (False, 1.2), (True, 2.0), (False, 1.5), (False, 1.5)])
 
     def round_fn(window, champion_dir, work, cfg, *, parent_dir, parent_version, **kw):
         parents.append((parent_version, parent_dir))
@@ -118,10 +118,16 @@ def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind
     ]
     assert reg.trainee == 5
 
+    def gone(version):
+        raise RuntimeError(f"version {version} was deleted")
+
+    reg.download, reg.trainee = gone, 9  # a trainee deleted by hand: this round trains from the champion
+    assert svc.run_round_once().ok and parents[-1] == ("4", tmp_path) and reg.trainee == 6
+
     plain, seen = Config(data_dir=str(tmp_path), trainer=TrainerConfig(lineage="champion")), []
     svc = TrainerService(plain, FakeStore(50), reg, round_fn=lambda w, c, work, cfg, **kw: seen.append(
         kw["parent_version"]) or fake_result(False, 1.5))
-    assert svc.run_round_once().ok and seen == ["4"] and reg.trainee == 5  # lineage "champion": never moves it
+    assert svc.run_round_once().ok and seen == ["4"] and reg.trainee == 6  # lineage "champion": never moves it
 
 
 def test_a_window_without_room_for_training_is_a_config_error(tmp_path):

@@ -476,7 +476,7 @@ def _version_tags(result: RoundResult, target_model: str) -> dict[str, str]:
 def _round_params(result: RoundResult, target_model: str) -> dict[str, str]:
     cfg = result.config
     keys = ["loss", "lr", "steps", "max_seconds", "batch_size", "ce_weight", "seed", "lora", "promote_margin",
-            "replay_k"]
+            "replay_k", "lineage"]
     keys += ["jsd_beta"] if cfg.loss == "jsd" else []
     keys += ["lora_r", "lora_alpha", "lora_target_modules"] if cfg.lora else []
     params = {k: str(getattr(cfg, k)) for k in keys}

@@ -175,7 +175,12 @@ class TrainerService:
         version = self.registry.trainee_version() if self.cfg.trainer.lineage == "trainee" else None
         if version is None or version == champion.version:
             return champion
-        return LocalDrafter(version, self.registry.download(version))
+        try:
+            return LocalDrafter(version, self.registry.download(version))
+        except Exception as e:  # a version deleted by hand must not fail every round after it
+            log.warning("trainer: the trainee version %d cannot be loaded (%s); training from the champion", version, e)
+            self.registry.set_trainee(None)
+            return champion
 
     def _continue_lineage(self, result: RoundResult, version: int) -> None:
         """With `trainer.lineage = "trainee"`, the next round trains from this round's candidate
