@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,6 +47,9 @@ class FakeRegistry:
     def champion(self):
         return LocalDrafter(self.version, self.path)
 
+    def champion_version(self):
+        return self.version
+
     def log_round(self, result, target_model="", promote=None):
         self.logged.append(result)
         v = len(self.logged) + 1
@@ -63,10 +67,17 @@ class FakeRegistry:
         return self.path / f"v{version}"
 
 
+@dataclass
+class FakeResult:
+    promoted: bool
+    reason: str
+    candidate: SimpleNamespace
+    champion: SimpleNamespace
+
+
 def fake_result(promoted: bool = True, mal: float = 2.0):
-    return SimpleNamespace(promoted=promoted, reason="fake verdict",
-                           candidate=SimpleNamespace(mean_acceptance_length=mal),
-                           champion=SimpleNamespace(mean_acceptance_length=1.5))
+    return FakeResult(promoted, "fake verdict", SimpleNamespace(mean_acceptance_length=mal),
+                      SimpleNamespace(mean_acceptance_length=1.5))
 
 
 def service(tmp_path, store, round_fn, **daemon) -> tuple[TrainerService, FakeRegistry]:
@@ -128,6 +139,18 @@ def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind
     svc = TrainerService(plain, FakeStore(50), reg, round_fn=lambda w, c, work, cfg, **kw: seen.append(
         kw["parent_version"]) or fake_result(False, 1.5))
     assert svc.run_round_once().ok and seen == ["4"] and reg.trainee == 6  # lineage "champion": never moves it
+
+
+def test_a_round_whose_champion_was_rolled_back_meanwhile_neither_promotes_nor_trains_on(tmp_path):
+    def round_fn(window, champion_dir, work, cfg, **kw):
+        reg.version, reg.trainee = 0, None  # the server rolls version 1 back while the round trains
+        return fake_result(promoted=True)
+
+    svc, reg = service(tmp_path, FakeStore(50), round_fn)
+    reg.trainee = 1
+    out = svc.run_round_once()
+    assert out.status == "not_promoted" and "champion moved from version 1 to 0" in out.reason
+    assert reg.version == 0 and reg.trainee is None and reg.logged[0].promoted is False
 
 
 def test_a_window_without_room_for_training_is_a_config_error(tmp_path):

@@ -15,6 +15,7 @@ trigger (the new-traces trigger waits `daemon.retry_backoff_s` first, doubling u
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import threading
@@ -149,8 +150,14 @@ class TrainerService:
                                        parent_dir=parent.path, parent_version=str(parent.version))
                 if self._stopping.is_set():  # the safe point: nothing registered yet, traces stay in the store
                     return done("stopped", "shutting down: round abandoned before registering")
+                now = self.registry.champion_version()
+                if now != champion.version and result.promoted:  # a rollback or a promotion by hand meanwhile
+                    result = dataclasses.replace(result, promoted=False, reason=(
+                        f"{result.reason}; not promoted after all: the champion moved from version "
+                        f"{champion.version} to {now} while the round trained"))
                 logged = self.registry.log_round(result, target_model=self._target_model())
-                self._continue_lineage(result, logged.version)
+                if now == champion.version:  # else the lineage starts again from the new champion
+                    self._continue_lineage(result, logged.version)
             finally:
                 shutil.rmtree(work, ignore_errors=True)  # the registry holds the candidate now
         except NotEnoughData as e:
