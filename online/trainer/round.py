@@ -115,8 +115,9 @@ def run_round(
     if not window.train:
         raise NotEnoughData("the training window is empty: wait for more traffic")
     kind = kind_of_dir(champion_dir)
-    parent_dir = champion_dir if parent_dir is None else parent_dir
-    if kind_of_dir(parent_dir) != kind:
+    own_parent = parent_dir is not None and Path(parent_dir) != Path(champion_dir)
+    parent_dir = Path(parent_dir) if own_parent else Path(champion_dir)
+    if own_parent and kind_of_dir(parent_dir) != kind:
         raise TrainingError(f"the round's parent {parent_dir} is not a drafter of the champion's kind ({kind.name})")
     passes = None
     if kind.features:
@@ -131,18 +132,18 @@ def run_round(
     champion_version = champion_version or champ.drafter
     candidate_version = candidate_version or f"cand-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     out = Path(work_dir) / candidate_version
-    parent_version = champion_version if parent_dir == champion_dir else (parent_version or str(parent_dir))
+    parent_version = (parent_version or str(parent_dir)) if own_parent else champion_version
     provenance = {"window": window.describe(), "parent_registry_version": parent_version}
     log.info("round: training %s from %s (%s trainer, %d steps)", candidate_version, parent_version,
              kind.trainer, cfg.steps)
     train = TRAINERS[kind.trainer]
-    training = train(Path(parent_dir), window.train, out, cfg, target, passes, candidate_version, provenance)
+    training = train(parent_dir, window.train, out, cfg, target, passes, candidate_version, provenance)
     cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)
     log.info("round: %s", reason)
     return RoundResult(out, candidate_version, Path(champion_dir), champion_version, cand, champ, promoted,
                        reason, training, window.describe(), cfg, time.perf_counter() - t0,
-                       None if parent_dir == champion_dir else parent_version)
+                       parent_version if own_parent else None)
 
 
 Trainer = Callable[..., DistillResult]
