@@ -15,7 +15,10 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.hotswap import RollbackConfig
 
 ENV_PREFIX = "LIVEDRAFT_"
 
@@ -177,7 +180,18 @@ class ServeConfig:
     poll_s: float = 5.0  # how often the champion alias is polled
     rollback_window: int = 20  # requests per version in the rolling acceptance window
     rollback_min_requests: int = 8  # the new version is judged once it has served this many
-    rollback_max_drop: float = 0.5  # roll back when the new version keeps < (1 - this) of the old gain
+    rollback_max_drop: float = 0.5  # roll back when the new version keeps < (1 - this) of the old gain ...
+    rollback_z: float = 2.0  # ... by more than this many standard errors (the requests' spread in both windows)
+
+    def rollback(self) -> RollbackConfig:
+        """The hot-swapper's rollback rule (ConfigError on values it cannot use)."""
+        from runtime.hotswap import RollbackConfig
+
+        try:
+            return RollbackConfig(window=self.rollback_window, min_requests=self.rollback_min_requests,
+                                  max_drop=self.rollback_max_drop, z=self.rollback_z)
+        except ValueError as e:
+            raise ConfigError(f"[serve] {e}") from None
 
 
 ENGINES = ("livedraft", "llama-server")  # EngineConfig.kind

@@ -27,7 +27,12 @@ all its requests) drafts only probes: one token at a request's first step (while
 accepted at least half the time), then back to back and twice as wide while they are fully
 accepted (a slow start), else every `probe_every` steps; nothing is drafted before the target's
 cost is measured; an unmeasured draft cost is the last measured version's, else one target step
-per token, never free. Costs carry across requests and swaps.
+per token, never free. Costs carry across requests and swaps. A hot-swapped version of the same
+drafter class (a registry version the replay gate promoted over the one it replaces) is not cold:
+it starts from its predecessor's acceptance, weighted as `min_evidence` positions, so its own counts
+outweigh it within a few requests. Probing it again from one token made every promotion serve
+short drafts for its first requests — and the rollback guard, which compares mean acceptance
+length with the predecessor's, rolled good versions back for it.
 
 In a batch the widths are padded to the longest row, so the batch shares one
 cap K, chosen the same way (margin included) over the sum of the rows' expected tokens: as the batch
@@ -191,8 +196,8 @@ class AcceptanceCounts:
     token i was accepted."""
 
     def __init__(self) -> None:
-        self.reached: list[int] = []
-        self.passed: list[int] = []
+        self.reached: list[float] = []  # float: an inherited prior is scaled (`scaled`)
+        self.passed: list[float] = []
 
     def update(self, drafted: int, accepted: int) -> None:
         n = min(drafted, accepted + 1)
@@ -204,8 +209,16 @@ class AcceptanceCounts:
             if i < accepted:
                 self.passed[i] += 1
 
-    def get(self, i: int) -> tuple[int, int]:
+    def get(self, i: int) -> tuple[float, float]:
         return (self.reached[i], self.passed[i]) if i < len(self.reached) else (0, 0)
+
+    def scaled(self, evidence: float) -> AcceptanceCounts:
+        """A copy with the same per-position rates, weighted as at most `evidence` drafted
+        positions in all (a hot-swapped version's prior: its own counts soon outweigh it)."""
+        out, total = AcceptanceCounts(), sum(self.reached)
+        f = min(1.0, evidence / total) if total else 0.0
+        out.reached, out.passed = [r * f for r in self.reached], [p * f for p in self.passed]
+        return out
 
 
 class DraftLengthController:

@@ -143,6 +143,7 @@ class SpeculativeEngine:
         self.reused_prompt_tokens = 0  # of which came from a row's cache, not a forward
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
         self._acceptance: dict[str, AcceptanceCounts] = {}  # per drafter version, over all its requests
+        self._last_drafter: Drafter | None = None  # the drafter the last speculative request pinned
         # called with each verify step's facts after the engine recorded them (a bench's counters)
         self.step_observers: list[Callable[[StepFacts], None]] = []
 
@@ -183,13 +184,27 @@ class SpeculativeEngine:
         params = params or SamplingParams()
         self.validate(prompt_ids, params)
         drafter = self.slot.get() if speculate else _TARGET_ONLY
-        shared = self._acceptance.setdefault(drafter.version, AcceptanceCounts())
+        shared = self._acceptance.get(drafter.version)
+        if shared is None:
+            shared = self._acceptance[drafter.version] = self._first_counts(drafter)
+        if speculate:
+            self._last_drafter = drafter
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
                        DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self.target.device)
         req.log_features = self._reuse and drafter.uses_features
         req.drafter.begin(req.id, req.prompt, tag=tag)
         self._waiting.append(req)
         return req.id
+
+    def _first_counts(self, drafter: Drafter) -> AcceptanceCounts:
+        """A version's acceptance counts before its first request: its predecessor's, weighted as
+        `min_evidence` positions, when it replaced one of the same class in the slot (a hot swap);
+        else none (a cold start, which probes: runtime.adaptive)."""
+        prev = self._last_drafter
+        if drafter is _TARGET_ONLY or prev is None or type(prev) is not type(drafter):
+            return AcceptanceCounts()
+        counts = self._acceptance.get(prev.version)
+        return counts.scaled(self.config.draft.min_evidence) if counts is not None else AcceptanceCounts()
 
     def cancel(self, request_id: str) -> bool:
         """Ends a queued or running request at the next step boundary (finish_reason

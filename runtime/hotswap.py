@@ -10,6 +10,8 @@ never mixes two versions.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -52,7 +54,17 @@ class DrafterSource(Protocol):
 class RollbackConfig:
     window: int = 20  # requests in the rolling acceptance window, per version
     min_requests: int = 8  # the new version's window must hold this many before judging
-    max_drop: float = 0.5  # roll back when (new MAL - 1) < (1 - max_drop) * (old MAL - 1)
+    max_drop: float = 0.5  # roll back when (new MAL - 1) < (1 - max_drop) * (old MAL - 1) ...
+    z: float = 2.0  # ... by more than z standard errors of the two windows' means (their requests' spread)
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 1 <= self.min_requests <= self.window:
+            raise ValueError(f"rollback window must be >= 1 and min_requests in 1..window, got window {self.window}, "
+                             f"min_requests {self.min_requests}")
+        if not 0.0 <= self.max_drop <= 1.0:
+            raise ValueError(f"rollback max_drop must be in [0, 1] (1 = never roll back), got {self.max_drop}")
+        if not self.z >= 0.0:
+            raise ValueError(f"rollback z must be >= 0, got {self.z}")
 
 
 @dataclass
@@ -79,6 +91,15 @@ class _Window:
     def mal(self) -> float:
         steps = sum(s for _, s in self.items)
         return 1.0 + sum(a for a, _ in self.items) / steps if steps else 1.0
+
+    @property
+    def stderr(self) -> float:
+        """Standard error of the window's mean acceptance length, from its requests' spread (0 with
+        fewer than two requests)."""
+        per_request = [a / s for a, s in self.items if s]
+        if len(per_request) < 2:
+            return 0.0
+        return statistics.stdev(per_request) / math.sqrt(len(per_request))
 
 
 class HotSwapper:
@@ -209,16 +230,21 @@ class HotSwapper:
                 if new_w is None or not old_w or len(new_w.items) < self.rollback.min_requests:
                     return None
                 new_mal, old_mal = new_w.mal, old_w.mal
-                if new_mal - 1.0 >= (1.0 - self.rollback.max_drop) * (old_mal - 1.0):
+                keep = 1.0 - self.rollback.max_drop
+                # requests differ (a prompt the suffix cache has seen yields 4 tokens a step, a new one
+                # 2): only a drop clear of that noise is a collapse, not a harder batch of requests
+                noise = self.rollback.z * math.hypot(new_w.stderr, keep * old_w.stderr)
+                if new_mal - 1.0 + noise >= keep * (old_mal - 1.0):
                     return None
                 bad = self._current_ref
                 self._rejected.add(bad.version)
             numbers = {"new_mean_acceptance_length": round(new_mal, 4),
                        "previous_mean_acceptance_length": round(old_mal, 4),
-                       "new_requests": float(len(new_w.items)), "max_drop": self.rollback.max_drop}
+                       "new_requests": float(len(new_w.items)), "max_drop": self.rollback.max_drop,
+                       "noise": round(noise, 4)}
             reason = (f"acceptance collapsed: mean acceptance length {new_mal:.3f} over {len(new_w.items)} "
                       f"requests vs {old_mal:.3f} for {prev[0].version} (allowed drop: "
-                      f"{self.rollback.max_drop:.0%} of the gain over 1.0)")
+                      f"{self.rollback.max_drop:.0%} of the gain over 1.0, plus {noise:.3f} for the requests' spread)")
             log.warning("rolling back drafter %s -> %s: %s", bad.version, prev[0].version, reason)
             event = self._swap_to(prev[0], prev[1], "rollback", detail=reason)
         # Recording it (MLflow writes) must not stall the engine thread that called observe().

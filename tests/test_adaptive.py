@@ -252,3 +252,46 @@ def test_an_untrained_eagle_head_switches_itself_off_within_bounded_steps(storie
     proven = cfg.min_evidence * cfg.probe_every  # steps by which the version has its evidence
     late = ks[proven:]
     assert len(late) >= 100 and sum(late) <= len(late) / cfg.probe_every + 1, ks
+
+
+def test_scaled_counts_keep_the_rates_at_a_given_weight():
+    counts = AcceptanceCounts()
+    for _ in range(30):
+        counts.update(4, 3)  # positions 0-2 accepted, 3 rejected
+    small = counts.scaled(16)
+    assert sum(small.reached) == pytest.approx(16)
+    for i in range(4):
+        r, p = counts.get(i)
+        rs, ps = small.get(i)
+        assert ps / rs == pytest.approx(p / r)
+    assert counts.scaled(1000).reached == counts.reached  # never weighed up
+    assert AcceptanceCounts().scaled(16).reached == []
+
+
+def test_a_hot_swapped_version_starts_from_its_predecessors_acceptance(stories):
+    """A swap to another version of the same drafter class (what the registry's gate promoted)
+    does not start cold: its first request drafts at the predecessor's k, not one-token probes.
+    A drafter of another class still starts cold."""
+    from runtime.drafters.factory import load_model_drafter
+    from runtime.slot import DrafterSlot
+
+    slot = DrafterSlot(load_model_drafter(stories.path, stories, version="v1"))  # the target itself: always right
+    engine = SpeculativeEngine.for_model(stories, slot, EngineConfig(
+        draft=DraftLengthConfig(k=4, adaptive=True), measure_costs=False))
+    engine.costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.05)  # drafting pays at full k
+    ids = stories.tokenizer("Once upon a time").input_ids
+
+    def widths():
+        res = engine.generate(ids, SamplingParams(max_new_tokens=32))
+        assert res.output_ids == hf_greedy(stories.model, ids, 32)
+        return [len(s.drafted) for s in res.trace.steps]
+
+    cold = widths()
+    assert cold[:3] == [1, 2, 4], cold  # the first version probes its way up
+    widths()
+    slot.swap(load_model_drafter(stories.path, stories, version="v2"))
+    assert widths()[0] == 4  # inherited: full k from the first step
+    other = Switching({tuple(ids): hf_greedy(stories.model, ids, 32)}, stories.vocab_size)
+    other.good = True
+    slot.swap(other)
+    assert widths()[:3] == [1, 2, 4]  # another kind of drafter: cold again

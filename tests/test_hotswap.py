@@ -173,3 +173,34 @@ def test_relabels_a_loaded_drafter_with_the_source_version(stories):
     source.wanted = "7"
     swapper.poll_once()
     assert slot.get().version == "7" and swapper.version == "7"
+
+
+def _observe(swapper, version: str, per_request: list[tuple[int, int]]):
+    from runtime.stats import RequestStats
+
+    return [swapper.observe(version, RequestStats(steps=s, drafted=4 * s, accepted=a)) for a, s in per_request]
+
+
+@pytest.mark.parametrize(("new", "rolled_back"), [
+    ([(18, 10), (1, 10)] * 4, False),  # MAL 1.95, under the floor of 2.0, spread like the old one's: noise
+    ([(7, 10)] * 8, True),  # MAL 1.7, every request alike: a collapse
+])
+def test_rollback_needs_a_drop_clear_of_the_requests_spread(new, rolled_back):
+    """The old window's requests alternate 4.0 and 2.0 tokens a step (a prompt the suffix cache has
+    seen, then a new one): a newcomer's 8 requests averaging a little under the allowed floor, as
+    spread, are a harder batch, not a collapse; requests all alike and clearly under it are one."""
+    source = FakeSource({"v2": lambda: PromptLookupDrafter(version="v2")})
+    swapper = HotSwapper(DrafterSlot(PromptLookupDrafter(version="v1")), source, initial=DrafterRef("v1"),
+                         rollback=RollbackConfig(window=20, min_requests=8, max_drop=0.5))
+    _observe(swapper, "v1", [(30, 10), (10, 10)] * 10)  # MAL 3.0: the floor is 2.0
+    source.wanted = "v2"
+    assert swapper.poll_once().kind == "swap"
+    events = _observe(swapper, "v2", new)
+    assert (swapper.rollbacks == 1 and events[-1].kind == "rollback") == rolled_back, swapper.status()
+    assert swapper.version == ("v1" if rolled_back else "v2")
+
+
+def test_rollback_config_rejects_what_it_cannot_use():
+    for bad in ({"window": 0}, {"min_requests": 30}, {"max_drop": 1.5}, {"z": -1.0}):
+        with pytest.raises(ValueError, match="rollback"):
+            RollbackConfig(**bad)

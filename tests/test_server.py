@@ -321,7 +321,9 @@ def test_seeded_sampling_is_reproducible(served):
 
 def test_collapse_rolls_back_through_the_server(stories, expected):
     source = FakeSource({"bad": lambda: random_drafter(stories, stories.path)})
-    cfg = config(poll_s=3600.0, rollback_window=4, rollback_min_requests=3, rollback_max_drop=0.5)
+    # fixed k: the good drafter (the target itself) drafts every step; the cost rule would turn it off, as it
+    # costs what the target does, and a version that drafts little has no acceptance to collapse from
+    cfg = config(poll_s=3600.0, rollback_window=4, rollback_min_requests=3, rollback_max_drop=0.5, adaptive=False)
     handle = start_serving(cfg, target=stories, drafter_source=source, sink=MemorySink(),
                            initial_drafter=load_model_drafter(stories.path, stories, version="good"))
     prompts = list(expected)

@@ -20,7 +20,7 @@ from runtime.drafters.base import Drafter
 from runtime.drafters.none import NoDrafter
 from runtime.engine import EngineConfig, SpeculativeEngine
 from runtime.errors import LivedraftError, ModelLoadError
-from runtime.hotswap import DrafterSource, HotSwapper, RollbackConfig
+from runtime.hotswap import DrafterSource, HotSwapper
 from runtime.loader import LoadedModel
 from runtime.serve.server import CompletionServer, ServerOptions, job_queue, read_api_keys
 from runtime.serve.worker import EngineWorker
@@ -117,8 +117,7 @@ def start_serving(
     engine = SpeculativeEngine.for_model(target, slot, engine_cfg, sink=sink)
     swapper = None
     if drafter_source is not None:
-        swapper = HotSwapper(slot, drafter_source, poll_s=s.poll_s, initial=initial_ref, rollback=RollbackConfig(
-            window=s.rollback_window, min_requests=s.rollback_min_requests, max_drop=s.rollback_max_drop))
+        swapper = HotSwapper(slot, drafter_source, poll_s=s.poll_s, initial=initial_ref, rollback=s.rollback())
     options = server_options(cfg, host, port)
     try:
         server = CompletionServer(EngineWorker(engine, job_queue(options)), target.tokenizer, model_id=target.model_id,

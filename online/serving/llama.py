@@ -22,7 +22,7 @@ from pathlib import Path
 from online.commands.engine import llamacpp_locations
 from online.config import Config
 from runtime.errors import LivedraftError
-from runtime.hotswap import DrafterRef, DrafterSource, HotSwapper, RollbackConfig
+from runtime.hotswap import DrafterRef, DrafterSource, HotSwapper
 from runtime.llamacpp.binary import find_llama_server
 from runtime.llamacpp.costs import (
     StepCosts,
@@ -311,8 +311,7 @@ def start_llama_serving(cfg: Config, *, target: LlamaTarget, tokenizer: object, 
         retire = source.retire if isinstance(source, GgufHeadSource) else Upstream.retire
         swapper = HotSwapper(slot, source, poll_s=s.poll_s, initial=initial_ref, on_retire=retire,
                              judge_undrafted=False,
-                             rollback=RollbackConfig(window=s.rollback_window, min_requests=s.rollback_min_requests,
-                                                     max_drop=s.rollback_max_drop))
+                             rollback=s.rollback())
     options = server_options(cfg, host, port)
     worker = LlamaServerWorker(slot, job_queue(options), target_model=target.model_id, sink=sink,
                                max_batch=cfg.engine.parallel, request_timeout_s=options.request_timeout_s,
