@@ -28,11 +28,13 @@ accepted at least half the time), then back to back and twice as wide while they
 accepted (a slow start), else every `probe_every` steps; nothing is drafted before the target's
 cost is measured; an unmeasured draft cost is the last measured version's, else one target step
 per token, never free. Costs carry across requests and swaps. A hot-swapped version of the same
-drafter class (a registry version the replay gate promoted over the one it replaces) is not cold:
-it starts from its predecessor's acceptance, weighted as `min_evidence` positions, so its own counts
-outweigh it within a few requests. Probing it again from one token made every promotion serve
-short drafts for its first requests — and the rollback guard, which compares mean acceptance
-length with the predecessor's, rolled good versions back for it.
+drafter class (a registry version the replay gate promoted over the one it replaces) also starts
+from its predecessor's acceptance, weighted as `min_evidence` positions, so its own counts
+outweigh it within a few requests: k is weighed from it at once, and the cold start's probes run
+as well until the version has its own evidence (a successor of a switched-off version is noticed
+as fast as a cold one). Probing a promotion from one token only made it serve short drafts for
+its first requests — and the rollback guard, which compares mean acceptance length with the
+predecessor's, rolled good versions back for it.
 
 In a batch the widths are padded to the longest row, so the batch shares one
 cap K, chosen the same way (margin included) over the sum of the rows' expected tokens: as the batch
@@ -193,11 +195,14 @@ FIRST_PROBES = 4  # an unproven version's first-token probes before its hit rate
 
 class AcceptanceCounts:
     """Per position i: drafts that reached token i (all before it accepted), and those whose
-    token i was accepted."""
+    token i was accepted. A hot-swapped version's counts also hold its predecessor's as a prior
+    (`inherited`, scaled): the estimates read it, the cold-start rules (proven, first-step probes)
+    count the version's own drafts only."""
 
-    def __init__(self) -> None:
-        self.reached: list[float] = []  # float: an inherited prior is scaled (`scaled`)
+    def __init__(self, inherited: AcceptanceCounts | None = None) -> None:
+        self.reached: list[float] = []  # float in a scaled copy (`scaled`)
         self.passed: list[float] = []
+        self.inherited = inherited
 
     def update(self, drafted: int, accepted: int) -> None:
         n = min(drafted, accepted + 1)
@@ -210,14 +215,26 @@ class AcceptanceCounts:
                 self.passed[i] += 1
 
     def get(self, i: int) -> tuple[float, float]:
+        """The version's own counts at position i."""
         return (self.reached[i], self.passed[i]) if i < len(self.reached) else (0, 0)
 
+    def estimate(self, i: int) -> tuple[float, float]:
+        """Counts at position i for estimating acceptance: the version's own plus the inherited prior."""
+        r, p = self.get(i)
+        if self.inherited is not None:
+            ri, pi = self.inherited.estimate(i)
+            r, p = r + ri, p + pi
+        return r, p
+
     def scaled(self, evidence: float) -> AcceptanceCounts:
-        """A copy with the same per-position rates, weighted as at most `evidence` drafted
-        positions in all (a hot-swapped version's prior: its own counts soon outweigh it)."""
-        out, total = AcceptanceCounts(), sum(self.reached)
+        """The estimate's counts (own and inherited) with the same per-position rates, weighted as at
+        most `evidence` drafted positions in all: a prior its own counts soon outweigh."""
+        n = max(len(self.reached), len(self.inherited.reached) if self.inherited is not None else 0)
+        counts = [self.estimate(i) for i in range(n)]
+        total = sum(r for r, _ in counts)
         f = min(1.0, evidence / total) if total else 0.0
-        out.reached, out.passed = [r * f for r in self.reached], [p * f for p in self.passed]
+        out = AcceptanceCounts()
+        out.reached, out.passed = [r * f for r, _ in counts], [p * f for _, p in counts]
         return out
 
 
@@ -248,7 +265,7 @@ class DraftLengthController:
         for i in range(n):
             mean = prev
             if self.shared is not None:
-                r, p = self.shared.get(i)
+                r, p = self.shared.estimate(i)
                 mean = (p + 2 * prior * prev) / (r + 2 * prior)
             r, p = self.own.get(i)
             prev = (p + strength * mean) / (r + strength)
@@ -290,6 +307,11 @@ class DraftLengthController:
 
     def proven(self) -> bool:
         return self.evidence() >= self.config.min_evidence
+
+    def weighs(self) -> bool:
+        """k is weighed from the estimates: the version is proven, or inherited a hot-swapped
+        predecessor's acceptance (an unproven one still probes as a cold start would)."""
+        return self.proven() or (self.shared is not None and self.shared.inherited is not None)
 
     def wants_probe(self, every: Callable[[], int] | None = None) -> bool:
         """A probe is due (`probe_width` tokens): `every()` (default probe_every) steps without
@@ -334,10 +356,10 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
     version = versions[0] if len(set(versions)) == 1 else ""
     own, probing = [], 0  # probing: the widest probe due this step
     for i, (c, cap, v) in enumerate(zip(controllers, caps, versions, strict=True)):
-        best, proven = 0, c.proven()  # an unproven version drafts its probes only
-        if proven and c.idle_for > 0:  # decided "draft nothing" a few steps ago: E(0) = 1 is all it needs
+        best, weighs = 0, c.weighs()  # an unproven version without inherited acceptance drafts its probes only
+        if weighs and c.idle_for > 0:  # decided "draft nothing" a few steps ago: E(0) = 1 is all it needs
             c.idle_for -= 1
-        elif proven:
+        elif weighs:
             curves[i] = c.expected_tokens(cap)
             best = _argmax_rate(curves[i], lambda k, v=v: costs.step_seconds(v, 1, k), c.config.margin)
             if best == 0:

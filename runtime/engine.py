@@ -204,7 +204,9 @@ class SpeculativeEngine:
         if drafter is _TARGET_ONLY or prev is None or type(prev) is not type(drafter):
             return AcceptanceCounts()
         counts = self._acceptance.get(prev.version)
-        return counts.scaled(self.config.draft.min_evidence) if counts is not None else AcceptanceCounts()
+        if counts is None:
+            return AcceptanceCounts()
+        return AcceptanceCounts(inherited=counts.scaled(self.config.draft.min_evidence))
 
     def cancel(self, request_id: str) -> bool:
         """Ends a queued or running request at the next step boundary (finish_reason

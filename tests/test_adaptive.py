@@ -16,7 +16,7 @@ from runtime.adaptive import (
 )
 from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
-from tests.serving_utils import hf_greedy
+from tests.serving_utils import hf_greedy, random_drafter
 
 
 def controller(accept: float, steps: int = 40, k: int = 6, **kw) -> DraftLengthController:
@@ -266,6 +266,11 @@ def test_scaled_counts_keep_the_rates_at_a_given_weight():
         assert ps / rs == pytest.approx(p / r)
     assert counts.scaled(1000).reached == counts.reached  # never weighed up
     assert AcceptanceCounts().scaled(16).reached == []
+    heir = AcceptanceCounts(inherited=small)  # a hot-swapped version: estimates read the prior, evidence does not
+    assert heir.get(0) == (0, 0) and heir.estimate(0) == small.get(0)
+    heir.update(1, 0)
+    assert heir.get(0) == (1, 0) and heir.estimate(0) == (small.get(0)[0] + 1, small.get(0)[1])
+    assert sum(heir.scaled(16).reached) == pytest.approx(16)  # its successor inherits both
 
 
 def test_a_hot_swapped_version_starts_from_its_predecessors_acceptance(stories):
@@ -291,6 +296,9 @@ def test_a_hot_swapped_version_starts_from_its_predecessors_acceptance(stories):
     widths()
     slot.swap(load_model_drafter(stories.path, stories, version="v2"))
     assert widths()[0] == 4  # inherited: full k from the first step
+    slot.swap(random_drafter(stories, stories.path, version="v3"))  # promoted, yet always wrong
+    bad = widths()
+    assert bad[0] == 4 and max(bad[-10:]) <= 1, bad  # its own misses outweigh the prior within a request
     other = Switching({tuple(ids): hf_greedy(stories.model, ids, 32)}, stories.vocab_size)
     other.good = True
     slot.swap(other)
