@@ -58,9 +58,9 @@ class RollbackConfig:
     z: float = 2.0  # ... by more than z standard errors of the two windows' means (their requests' spread)
 
     def __post_init__(self) -> None:
-        if self.window < 1 or not 1 <= self.min_requests <= self.window:
-            raise ValueError(f"rollback window must be >= 1 and min_requests in 1..window, got window {self.window}, "
-                             f"min_requests {self.min_requests}")
+        if self.window < 1 or self.min_requests < 1:  # min_requests > window: never judged
+            raise ValueError(f"rollback window and min_requests must be >= 1, got {self.window} and "
+                             f"{self.min_requests}")
         if not 0.0 <= self.max_drop <= 1.0:
             raise ValueError(f"rollback max_drop must be in [0, 1] (1 = never roll back), got {self.max_drop}")
         if not self.z >= 0.0:

@@ -7,7 +7,7 @@ import tomllib
 import pytest
 
 from online.cli import main
-from online.config import ConfigError, load_config, to_toml
+from online.config import Config, ConfigError, load_config, to_toml
 
 
 def test_defaults_need_no_file() -> None:
@@ -91,3 +91,11 @@ def test_committed_configuration_reference_is_current():
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     assert committed == reference(), "run `livedraft config docs > docs/configuration.md`"
     assert "`serve.api_key`" in committed and "`trainer.ttt_steps`" in committed
+
+
+def test_a_rollback_rule_it_cannot_use_is_a_config_error():
+    cfg = Config()
+    assert cfg.serve.rollback().z == cfg.serve.rollback_z
+    cfg.serve.rollback_max_drop = 1.5
+    with pytest.raises(ConfigError, match=r"\[serve\] rollback max_drop"):
+        cfg.serve.rollback()
