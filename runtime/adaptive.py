@@ -54,6 +54,7 @@ k must not depend on timings or on other requests: they use the acceptance-only 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class Curve:
         self.decay, self.one_point_slope = decay, one_point_slope
         self.xs: list[int] = []
         self.ys: list[float] = []
+        self._floor: list[float] = []  # running maximum of ys: more tokens never cost less
 
     def record(self, x: int, seconds: float) -> None:
         """One measurement of x > 0 tokens (x <= 0 is ignored: nothing was done)."""
@@ -112,9 +114,20 @@ class Curve:
         else:
             self.xs.insert(i, x)
             self.ys.insert(i, seconds)
+        self._floor = list(itertools.accumulate(self.ys, max))
 
     def __call__(self, x: int) -> float | None:
-        """Estimated seconds for x tokens; None before any measurement."""
+        """Estimated seconds for x tokens, never less than what fewer tokens were measured at (a
+        forward over more tokens does not cost less: on a noisy machine the two-token average can
+        dip under the one-token one, and the rule then drafts a token that looks free); None
+        before any measurement."""
+        value = self._read(x)
+        if value is None or x <= 0:
+            return value
+        below = bisect.bisect_right(self.xs, x)
+        return max(value, self._floor[below - 1]) if below else value
+
+    def _read(self, x: int) -> float | None:
         xs, ys = self.xs, self.ys
         if not xs:
             return None

@@ -303,3 +303,22 @@ def test_a_hot_swapped_version_starts_from_its_predecessors_acceptance(stories):
     other.good = True
     slot.swap(other)
     assert widths()[:3] == [1, 2, 4]  # another kind of drafter: cold again
+
+
+def test_more_tokens_never_cost_less():
+    """A noisy machine's two-token average can dip under the one-token one; read as it is, the
+    rule would draft a token that looks free (do no harm's untrained head drafted on 46 % of
+    steps once it did, on an AVX2 VM)."""
+    costs = CostModel()
+    costs.record_verify(1, 0.080)
+    costs.record_verify(2, 0.076)
+    costs.record_verify(4, 0.095)
+    assert costs.verify(2) == pytest.approx(0.080) and costs.verify(3) == pytest.approx(0.0855)
+    assert costs.verify(4) == pytest.approx(0.095) and costs.verify(1) == pytest.approx(0.080)
+    c = DraftLengthController(DraftLengthConfig(k=4, adaptive=True, min_evidence=0), AcceptanceCounts())
+    for _ in range(50):
+        c.update(1, 0)  # right 2 % of the time
+    c.update(1, 1)
+    costs.record_draft("v", 1, 0.001)
+    assert not c.wants_probe()  # it just drafted: no probe is due
+    assert choose_lengths([c], [50], ["v"], costs) == [0]  # read as measured, verify(2) < verify(1) drafts 1
