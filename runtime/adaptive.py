@@ -40,6 +40,14 @@ In a batch the widths are padded to the longest row, so the batch shares one
 cap K, chosen the same way (margin included) over the sum of the rows' expected tokens: as the batch
 grows, verifying another position costs more rows of compute and the best K shrinks.
 
+A drafter with a part whose drafts are next to free (a hybrid's suffix cache) offers its draft before
+the rule decides (`Offer`): the offer is weighed first, by the same rule with its own counts (all
+offered drafts over all requests, cold start included) and the verify cost alone, and a row that takes
+it drafts nothing else; the other rows weigh the drafter as above, with the drafter's own counts and
+cost. One rule over both had priced the suffix cache's drafts at the model's cost and acceptance:
+once the model did not pay, the suffix cache drafted on probes only (on the story model's demo
+traffic, 0.86x of fixed k = 4 against 1.10x with offers).
+
 A drafter with probabilities can also stop early on its own once its top probability at
 the next position falls under `min_confidence` (SpecDec++ / HF
 `assistant_confidence_threshold`). Off by default (0): the rule above already prices every
@@ -194,6 +202,10 @@ class CostModel:
                 return curve(tokens)
         one = self.verify(1)
         return None if one is None else one * tokens
+
+    def verify_seconds(self, k: int) -> float | None:
+        """One row verifying k drafted tokens (k + 1 fed); None until the target was measured."""
+        return self.verify(k + 1)
 
     def step_seconds(self, version: str, rows: int, k: int) -> float | None:
         """A step of `rows` requests drafting k tokens each; None until the target was measured."""
@@ -357,18 +369,40 @@ class DraftLengthController:
         return max(1, min(cap, 2 * self.last_drafted if self.last_hit and not self.proven() else 1))
 
 
+@dataclass
+class Offer:
+    """A draft that cost next to nothing to make (a hybrid drafter's suffix cache), offered before the
+    rule decides: `length` tokens, weighed with `controller` (the counts of offered drafts) and the
+    target's verify cost alone."""
+
+    controller: DraftLengthController
+    length: int
+
+
 def choose_lengths(controllers: list[DraftLengthController], remaining: list[int], versions: list[str],
                    costs: CostModel) -> list[int]:
-    """Adaptive k for each request of a batch (see the module docstring): one cap K for the
-    batch maximising expected tokens per second; a request whose own best k is 0 drafts
-    nothing unless its probe is due, and one whose version is unproven drafts its probe only.
-    Before the target's cost is measured, probes only (that step measures it)."""
+    """Adaptive k for each request of a batch without offers (`choose_with_offers`)."""
+    return choose_with_offers(controllers, remaining, versions, costs, [None] * len(controllers))[0]
+
+
+def choose_with_offers(controllers: list[DraftLengthController], remaining: list[int], versions: list[str],
+                       costs: CostModel, offers: list[Offer | None]) -> tuple[list[int], list[bool]]:
+    """Adaptive k for each request of a batch (see the module docstring), and whether the row takes its
+    offer (the first k tokens of it) rather than the drafter's draft: one cap K for the batch maximising
+    expected tokens per second; a request whose own best k is 0 drafts nothing unless its probe is due,
+    and one whose version is unproven drafts its probe only. An offer is weighed first, by the same rule
+    with the offered drafts' counts and no draft cost (it is made already); one not worth verifying leaves
+    the row to the drafter. Before the target's cost is measured, probes only (that step measures it)."""
     n = len(controllers)
     caps = [min(c.config.k, max(r, 0)) for c, r in zip(controllers, remaining, strict=True)]
     curves: list[list[float]] = [[1.0]] * n  # E(k) per row, computed where k > 0 is weighed
     version = versions[0] if len(set(versions)) == 1 else ""
-    own, probing = [], 0  # probing: the widest probe due this step
-    for i, (c, cap, v) in enumerate(zip(controllers, caps, versions, strict=True)):
+    own, taken, probing = [], [False] * n, 0  # probing: the widest probe due this step
+    for i, (c, cap, v, offer) in enumerate(zip(controllers, caps, versions, offers, strict=True)):
+        if offer is not None and (k := _offer_length(offer, min(cap, offer.length), costs)):
+            curves[i], taken[i] = offer.controller.expected_tokens(k), True
+            own.append(k)
+            continue
         best, weighs = 0, c.weighs()  # an unproven version without inherited acceptance drafts its probes only
         if weighs and c.idle_for > 0:  # decided "draft nothing" a few steps ago: E(0) = 1 is all it needs
             c.idle_for -= 1
@@ -385,20 +419,36 @@ def choose_lengths(controllers: list[DraftLengthController], remaining: list[int
         own.append(best)
     top = max(own, default=0)
     if top == 0:
-        return own
-
+        return own, taken
     def batch_rate(k_cap: int) -> float | None:
-        secs = costs.step_seconds(version, n, k_cap)
-        if secs is None or secs <= 0:
+        verify = costs.verify(n * (k_cap + 1))  # every row padded to the cap
+        # the drafter drafts its own rows' tokens only: an offer taken costs nothing more to draft
+        draft = costs.draft_seconds(version, sum(min(k, k_cap) for k, t in zip(own, taken, strict=True) if not t))
+        if verify is None or draft is None or verify + draft <= 0:
             return None
-        return sum(curve[min(k, k_cap)] for curve, k in zip(curves, own, strict=True)) / secs
+        return sum(curve[min(k, k_cap)] for curve, k in zip(curves, own, strict=True)) / (verify + draft)
 
     rates = [batch_rate(k) for k in range(top + 1)]
-    if any(r is None for r in rates):
-        return [min(k, 1) for k in own]  # the target's cost not measured yet: probes only
+    if any(r is None for r in rates):  # the target's cost not measured yet: probes only
+        return [min(k, 1) for k in own], taken
     # the batch's cap under the same margin: rows that each beat it alone may only break even together
     k_cap = max(_best_rate(rates, max(c.config.margin for c in controllers)), probing)  # type: ignore[arg-type]
-    return [min(k, k_cap) for k in own]
+    ks = [min(k, k_cap) for k in own]
+    return ks, [t and k > 0 for t, k in zip(taken, ks, strict=True)]
+
+
+def _offer_length(offer: Offer, cap: int, costs: CostModel) -> int:
+    """Tokens of an offer worth verifying: the best k by expected tokens per second of verifying, with
+    the margin; once its k is 0 an offer is probed as a drafter is (one token, on its probe schedule)."""
+    c = offer.controller
+    if cap <= 0:
+        return 0
+    best = 0
+    if c.weighs():
+        best = _argmax_rate(c.expected_tokens(cap), costs.verify_seconds, c.config.margin)
+    if best == 0 and c.wants_probe():
+        best = c.probe_width(cap)
+    return best
 
 
 def _probe_interval(config: DraftLengthConfig, costs: CostModel, version: str) -> int:

@@ -36,9 +36,10 @@ from runtime.adaptive import (
     CostModel,
     DraftLengthConfig,
     DraftLengthController,
-    choose_lengths,
+    Offer,
+    choose_with_offers,
 )
-from runtime.drafters.base import Draft, Drafter, DraftRow
+from runtime.drafters.base import Draft, Drafter, DraftRow, OfferingDrafter
 from runtime.drafters.none import NoDrafter
 from runtime.errors import RequestError
 from runtime.loader import LoadedModel
@@ -143,6 +144,7 @@ class SpeculativeEngine:
         self.reused_prompt_tokens = 0  # of which came from a row's cache, not a forward
         self.costs = CostModel()  # measured seconds of target forwards and drafter proposes
         self._acceptance: dict[str, AcceptanceCounts] = {}  # per drafter version, over all its requests
+        self._offered = AcceptanceCounts()  # offered drafts (a hybrid's suffix cache), over all requests
         self._last_drafter: Drafter | None = None  # the drafter the last speculative request pinned
         # called with each verify step's facts after the engine recorded them (a bench's counters)
         self.step_observers: list[Callable[[StepFacts], None]] = []
@@ -191,6 +193,8 @@ class SpeculativeEngine:
             self._last_drafter = drafter
         req = _Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
                        DraftLengthController(self.config.draft, shared), tag, on_tokens, drafter, self.target.device)
+        if isinstance(drafter, OfferingDrafter):
+            req.offers = DraftLengthController(self.config.draft, self._offered)
         req.log_features = self._reuse and drafter.uses_features
         req.drafter.begin(req.id, req.prompt, tag=tag)
         self._waiting.append(req)
@@ -291,6 +295,7 @@ class SpeculativeEngine:
             return
         t0 = time.perf_counter()
         ks = self._draft_lengths(live) if live else []
+        tp = time.perf_counter()
         drafts = self._propose(live, ks) if live else []
         t1 = time.perf_counter()
         ids = [[r.context[-1]] + d.tokens for r, d in zip(live, drafts, strict=True)] + [c for _, c in pre]
@@ -303,7 +308,7 @@ class SpeculativeEngine:
             t3 = time.perf_counter()
             gained = self._advance(live, drafts, fwd, checked.verdicts)
             self._record(StepFacts(live, ks, drafts, fwd, checked, gained, t1 - t0, t3 - t1,
-                                    time.perf_counter() - t1, clean=not pre))
+                                    time.perf_counter() - t1, clean=not pre, proposed_s=t1 - tp))
         for b, (req, chunk) in enumerate(pre, start=len(live)):
             req.prefilled += len(chunk)
             req.stats.prefill_s += t2 - t1
@@ -374,7 +379,14 @@ class SpeculativeEngine:
             if req.drafter.uses_features:
                 req.add_features(fwd.features[b, : verdict.accepted + 1])
             gained.append(self._accept_tokens(req, draft.tokens[: verdict.accepted] + [verdict.next_token]))
-            req.length.update(len(draft.tokens), verdict.accepted)
+            if req.offered is None:
+                req.length.update(len(draft.tokens), verdict.accepted)
+            elif req.took_offer:  # the offer's counts; the drafter drafted nothing this step
+                req.offers.update(len(draft.tokens), verdict.accepted)  # type: ignore[union-attr]
+                req.length.update(0, 0)
+            else:
+                req.offers.update(0, 0)  # type: ignore[union-attr]
+                req.length.update(len(draft.tokens), verdict.accepted)
         return gained
 
     def _record(self, step: StepFacts) -> None:
@@ -402,15 +414,19 @@ class SpeculativeEngine:
                 width = max(len(d.tokens) for d in drafts) + 1
                 self.costs.record_verify(len(reqs) * width, step.step_s)
             versions = {r.drafter.version for r in reqs}
-            if len(versions) == 1:
-                self.costs.record_draft(versions.pop(), sum(step.ks), step.drafted_s)
+            if len(versions) == 1:  # the drafter's own drafts (an offer taken was made before it was asked)
+                drafted = sum(k for k, r in zip(step.ks, reqs, strict=True) if not r.took_offer)
+                self.costs.record_draft(versions.pop(), drafted, step.proposed_s)
         for observe in self.step_observers:
             observe(step)
 
     def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
-        """Each request's k this step (runtime/adaptive.py). Seeded sampled requests, whose output
-        must not depend on timings or on the batch, never take the cost-aware rule."""
+        """Each request's k this step (runtime/adaptive.py), and in adaptive mode whether it takes its
+        drafter's offer (`req.took_offer`). Seeded sampled requests, whose output must not depend on
+        timings or on the batch, never take the cost-aware rule."""
         remaining = [r.params.max_new_tokens - len(r.output) - 1 for r in reqs]
+        for r in reqs:
+            r.offered, r.took_offer = None, False
         if not self.config.draft.adaptive:
             return [r.length.fixed_k(n) for r, n in zip(reqs, remaining, strict=True)]
         ks = [-1] * len(reqs)
@@ -421,26 +437,51 @@ class SpeculativeEngine:
             else:
                 free.append(i)
         if free:
-            chosen = choose_lengths([reqs[i].length for i in free], [remaining[i] for i in free],
-                                    [reqs[i].drafter.version for i in free], self.costs)
-            for i, k in zip(free, chosen, strict=True):
-                ks[i] = k
+            offers = self._offers([reqs[i] for i in free], [remaining[i] for i in free])
+            chosen, taken = choose_with_offers([reqs[i].length for i in free], [remaining[i] for i in free],
+                                               [reqs[i].drafter.version for i in free], self.costs, offers)
+            for i, k, took in zip(free, chosen, taken, strict=True):
+                ks[i], reqs[i].took_offer = k, took
         return ks
+
+    def _offers(self, reqs: list[_Request], remaining: list[int]) -> list[Offer | None]:
+        """The offered drafts of the requests whose drafter offers (kept on `req.offered`)."""
+        out: list[Offer | None] = [None] * len(reqs)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            cap = min(self.config.draft.k, remaining[i])
+            if r.offers is not None and cap > 0:
+                groups.setdefault(id(r.drafter), []).append(i)
+        for idxs in groups.values():
+            drafter = reqs[idxs[0]].drafter
+            assert isinstance(drafter, OfferingDrafter)
+            rows = [DraftRow(reqs[i].id, reqs[i].context, min(self.config.draft.k, remaining[i]))
+                    for i in idxs]
+            for i, d in zip(idxs, drafter.offer(rows), strict=True):
+                if d is not None and d.tokens:
+                    reqs[i].offered = d
+                    out[i] = Offer(reqs[i].offers, len(d.tokens))  # type: ignore[arg-type]
+        return out
 
     def _propose(self, reqs: list[_Request], ks: list[int]) -> list[Draft]:
         """One `propose` per drafter over its rows (requests pinned to different versions draft
         with their own), over the rows that may draft this step: a row with k = 0 is not passed,
         and its features wait on the request for the next call (the adaptive rule switches
-        drafting off this way, so a drafter that does not pay costs nothing)."""
+        drafting off this way, so a drafter that does not pay costs nothing). A row that took its
+        offer drafts its first k tokens; in adaptive mode an offering drafter's other rows ask its
+        model alone (their offers were weighed already)."""
         drafts = [Draft([], "none") for _ in reqs]
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
-            if ks[i] > 0:
+            if r.took_offer:
+                drafts[i] = Draft(r.offered.tokens[: ks[i]], r.offered.source)  # type: ignore[union-attr]
+            elif ks[i] > 0:
                 groups.setdefault(id(r.drafter), []).append(i)
         for idxs in groups.values():
             drafter = reqs[idxs[0]].drafter
             rows = [self._draft_row(reqs[i], ks[i]) for i in idxs]
-            out = drafter.propose(rows)
+            offering = self.config.draft.adaptive and isinstance(drafter, OfferingDrafter)
+            out = drafter.propose_model(rows) if offering else drafter.propose(rows)  # type: ignore[attr-defined]
             for i, row, d in zip(idxs, rows, out, strict=True):
                 if len(d.tokens) > row.max_tokens:
                     raise RuntimeError(f"drafter {drafter!r} proposed {len(d.tokens)} tokens, more than "
@@ -550,6 +591,7 @@ class StepFacts:
     verified_s: float
     step_s: float
     clean: bool
+    proposed_s: float = 0.0  # of drafted_s, the drafters' proposes (not the rule, not the offers)
 
 
 class _Request:
@@ -569,6 +611,9 @@ class _Request:
         self.steps: list[StepRecord] = []
         self.stats = RequestStats(prompt_tokens=len(prompt))
         self.length = length
+        self.offers: DraftLengthController | None = None  # an offering drafter's: the offered drafts' counts
+        self.offered: Draft | None = None  # this step's offer (adaptive mode)
+        self.took_offer = False  # this step drafts the offer's first k tokens
         self.row = -1  # the target cache row, once admitted
         self.prefilled = 0  # prompt tokens fed to the target
         self.features: list[torch.Tensor] = []  # target features the drafter has not been given yet

@@ -12,7 +12,9 @@ from runtime.adaptive import (
     Curve,
     DraftLengthConfig,
     DraftLengthController,
+    Offer,
     choose_lengths,
+    choose_with_offers,
 )
 from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
@@ -115,6 +117,18 @@ def test_k_shrinks_as_verification_gets_dearer():
     alone = choose_lengths(good[:1], [50], ["v"], gpu)[0]
     batched = choose_lengths(good, [50] * 8, ["v"] * 8, gpu)
     assert alone == 6 and max(batched) < alone and len(set(batched)) == 1
+
+
+def test_an_offer_is_weighed_by_its_own_acceptance_at_the_verify_cost_alone():
+    costs = CostModel.synthetic(draft_ratio=1.0, verify_slope=0.1)  # a model token costs a target step
+    model, good, bad = controller(0.05), controller(0.9), controller(0.05)
+    assert choose_lengths([model], [50], ["v"], costs) == [0]  # the model does not pay
+    assert choose_with_offers([model], [50], ["v"], costs, [Offer(good, 5)]) == ([5], [True])  # the offer does
+    model.idle_for = 0
+    assert choose_with_offers([model], [50], ["v"], costs, [Offer(bad, 5)]) == ([0], [False])  # nor does this one
+    # in a batch the drafter's cost counts the tokens it drafts: none here, beside an offer taken whole
+    pair = [controller(0.9), controller(0.05)]
+    assert choose_with_offers(pair, [50, 50], ["v", "v"], costs, [Offer(good, 6), None]) == ([6, 0], [True, False])
 
 
 class Switching(RowwiseDrafter):

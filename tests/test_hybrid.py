@@ -15,7 +15,8 @@ from devkit.workloads import (
     traces_from_pairs,
 )
 from online.replay.engine import replay_traces
-from runtime.adaptive import DraftLengthConfig
+from runtime.adaptive import CostModel, DraftLengthConfig
+from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.drafters.factory import DrafterConfig, build_drafter, load_model_drafter
 from runtime.drafters.hybrid import HybridDrafter
 from runtime.drafters.lookup import PromptLookupDrafter
@@ -87,6 +88,54 @@ def test_hybrid_threshold_picks_the_source(stories, stories_drafter_dir, greedy_
             # nearly all accepted (the tail past max_new_tokens does not count as accepted)
             assert suffix_steps and (sum(s.accepted for s in suffix_steps)
                                      >= 0.8 * sum(len(s.drafted) for s in suffix_steps))
+
+
+class WrongModel(RowwiseDrafter):
+    """A costly model drafter that is never right: the target's greedy continuation, each token + 1."""
+
+    version = "wrong"
+
+    def __init__(self, expected: dict[tuple, list[int]], vocab: int):
+        self.expected, self.vocab, self.prompts = expected, vocab, {}
+
+    def begin(self, req_id, prompt_ids, *, tag=None):
+        self.prompts[req_id] = tuple(prompt_ids)
+
+    def propose_row(self, row: DraftRow) -> Draft:
+        prompt = self.prompts[row.req_id]
+        done = len(row.context) - len(prompt)
+        return Draft([(t + 1) % self.vocab for t in self.expected[prompt][done : done + row.max_tokens]], "model")
+
+    def end(self, req_id, output_ids=None):
+        self.prompts.pop(req_id, None)
+
+
+def test_adaptive_hybrid_weighs_the_suffix_cache_apart_from_a_model_that_does_not_pay(stories, greedy_cases):
+    """A model drafter switched off for not paying leaves the suffix cache on: its offers are weighed by
+    their own acceptance at the target's verify cost alone, and the version's counts and draft cost are
+    the model's. (Before, the version's one rule priced both together: once the model had missed, the
+    suffix cache drafted on probes only.)"""
+    (p0, e0), (p1, e1) = greedy_cases[0], greedy_cases[1]
+    cache = SuffixCache()
+    hybrid = HybridDrafter(SuffixDrafter(cache, write_through=False),
+                           WrongModel({tuple(p0): e0, tuple(p1): e1}, stories.vocab_size))
+    engine = SpeculativeEngine.for_model(stories, hybrid, EngineConfig(
+        draft=DraftLengthConfig(k=6, adaptive=True), measure_costs=False))
+    engine.costs = CostModel.synthetic(draft_ratio=1.0, verify_slope=0.1)  # a model token costs a target step
+    first = engine.generate(p0, SamplingParams(max_new_tokens=MAX_NEW))
+    assert first.output_ids == e0
+    counts = engine._acceptance[hybrid.version]
+    assert counts.get(0)[0] >= 1 and counts.get(0)[1] == 0  # the model drafted and missed: switched off
+    cache.add_sequence(p1 + e1)  # the next request's answer is in the traffic log
+    res = engine.generate(p1, SamplingParams(max_new_tokens=MAX_NEW))
+    assert res.output_ids == e1
+    steps = res.trace.steps
+    suffix = [s for s in steps if s.source == "suffix"]
+    assert len(suffix) >= 0.6 * len(steps) and max(len(s.drafted) for s in suffix) == 6  # slow start to full k
+    assert res.stats.mean_acceptance_length > 3
+    assert not any(s.source == "model" and s.accepted for s in steps)
+    assert engine._acceptance[hybrid.version].get(0)[1] == 0  # the suffix cache's hits are not the model's
+    assert engine._offered.get(0)[1] >= len(suffix) - 1
 
 
 def synthetic_trace(ids: list[int], out: list[int], tag: str | None, rid: str) -> RequestTrace:

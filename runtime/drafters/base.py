@@ -79,6 +79,24 @@ class Drafter(Protocol):
     def end(self, req_id: str, output_ids: list[int] | None = None) -> None: ...
 
 
+@runtime_checkable
+class OfferingDrafter(Drafter, Protocol):
+    """A drafter with a part whose drafts cost next to nothing to make (HybridDrafter's suffix cache).
+
+    In adaptive mode the engine asks `offer` first (rows without features: nothing is consumed),
+    weighs each offered draft by the target's verify cost alone, and asks `propose_model` — the
+    costly part only — for the rows that drafted otherwise. `propose` stays the whole drafter's own
+    choice (fixed k, seeded sampled requests)."""
+
+    def offer(self, rows: Sequence[DraftRow]) -> list[Draft | None]:
+        """Per row, the cheap part's draft of at most max_tokens tokens, or None where it has none."""
+        ...
+
+    def propose_model(self, rows: Sequence[DraftRow]) -> list[Draft]:
+        """`propose` of the costly part alone."""
+        ...
+
+
 class RowwiseDrafter:
     """Base for drafters that draft each row on its own (model-free kinds): `propose` calls
     `propose_row` per row."""

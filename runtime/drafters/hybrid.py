@@ -6,6 +6,12 @@ else the model drafter drafts. Draft.source says which one did, so the trace and
 report acceptance per source. The model drafter sees every request and every step (with
 nothing to draft on the steps the suffix cache took, so a feature drafter still receives
 the target's hidden states); it rolls its KV cache forward lazily when it drafts.
+
+In adaptive mode the engine weighs the suffix cache's draft first (`offer`, priced at the
+target's verify cost alone: it is made already, and drafts nothing more) and asks the model
+(`propose_model`) only for the rows that did not take it: the version's draft cost and
+acceptance are then the model's own, and a model that does not pay no longer switches off
+a suffix cache that does.
 """
 
 from __future__ import annotations
@@ -36,17 +42,25 @@ class HybridDrafter:
             self.suffix.end(req_id)
             raise
 
-    def propose(self, rows: Sequence[DraftRow]) -> list[Draft]:
-        drafts: list[Draft | None] = []
-        model_rows = []
+    def offer(self, rows: Sequence[DraftRow]) -> list[Draft | None]:
+        """The suffix cache's draft where it is confident (score >= threshold), else None."""
+        out: list[Draft | None] = []
         for row in rows:
             spec = self.suffix.speculate(row.req_id, row.context, row.max_tokens)
-            won = bool(spec.tokens) and spec.score >= self.threshold
-            drafts.append(Draft(spec.tokens, "suffix") if won else None)
-            k = 0 if won else row.max_tokens if self.model_k is None else min(row.max_tokens, self.model_k)
-            model_rows.append(dataclasses.replace(row, max_tokens=k))
-        model_drafts = self.model.propose(model_rows)
-        return [d if d is not None else m for d, m in zip(drafts, model_drafts, strict=True)]
+            out.append(Draft(spec.tokens, "suffix") if spec.tokens and spec.score >= self.threshold else None)
+        return out
+
+    def propose_model(self, rows: Sequence[DraftRow]) -> list[Draft]:
+        """The model drafter's drafts, at most `model_k` tokens each."""
+        if self.model_k is not None:
+            rows = [dataclasses.replace(r, max_tokens=min(r.max_tokens, self.model_k)) for r in rows]
+        return self.model.propose(rows)
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[Draft]:
+        offers = self.offer(rows)
+        model = self.propose_model([row if o is None else dataclasses.replace(row, max_tokens=0)
+                                    for row, o in zip(rows, offers, strict=True)])
+        return [m if o is None else o for o, m in zip(offers, model, strict=True)]
 
     def end(self, req_id: str, output_ids: list[int] | None = None) -> None:
         try:
