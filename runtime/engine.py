@@ -426,7 +426,7 @@ class SpeculativeEngine:
         timings or on the batch, never take the cost-aware rule."""
         remaining = [r.params.max_new_tokens - len(r.output) - 1 for r in reqs]
         for r in reqs:
-            r.offered, r.took_offer = None, False
+            r.asked_offer, r.offered, r.took_offer = False, None, False
         if not self.config.draft.adaptive:
             return [r.length.fixed_k(n) for r, n in zip(reqs, remaining, strict=True)]
         ks = [-1] * len(reqs)
@@ -452,6 +452,7 @@ class SpeculativeEngine:
             cap = min(self.config.draft.k, remaining[i])
             if r.offers is not None and cap > 0:
                 groups.setdefault(id(r.drafter), []).append(i)
+                r.asked_offer = True
         for idxs in groups.values():
             drafter = reqs[idxs[0]].drafter
             assert isinstance(drafter, OfferingDrafter)
@@ -468,20 +469,19 @@ class SpeculativeEngine:
         with their own), over the rows that may draft this step: a row with k = 0 is not passed,
         and its features wait on the request for the next call (the adaptive rule switches
         drafting off this way, so a drafter that does not pay costs nothing). A row that took its
-        offer drafts its first k tokens; in adaptive mode an offering drafter's other rows ask its
-        model alone (their offers were weighed already)."""
+        offer drafts its first k tokens; a row whose offer was asked for and not taken asks the
+        drafter's model alone (`propose_model`: the offer was weighed already)."""
         drafts = [Draft([], "none") for _ in reqs]
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, bool], list[int]] = {}
         for i, r in enumerate(reqs):
             if r.took_offer:
                 drafts[i] = Draft(r.offered.tokens[: ks[i]], r.offered.source)  # type: ignore[union-attr]
             elif ks[i] > 0:
-                groups.setdefault(id(r.drafter), []).append(i)
-        for idxs in groups.values():
+                groups.setdefault((id(r.drafter), r.asked_offer), []).append(i)
+        for (_, asked), idxs in groups.items():
             drafter = reqs[idxs[0]].drafter
             rows = [self._draft_row(reqs[i], ks[i]) for i in idxs]
-            offering = self.config.draft.adaptive and isinstance(drafter, OfferingDrafter)
-            out = drafter.propose_model(rows) if offering else drafter.propose(rows)  # type: ignore[attr-defined]
+            out = drafter.propose_model(rows) if asked else drafter.propose(rows)  # type: ignore[attr-defined]
             for i, row, d in zip(idxs, rows, out, strict=True):
                 if len(d.tokens) > row.max_tokens:
                     raise RuntimeError(f"drafter {drafter!r} proposed {len(d.tokens)} tokens, more than "
@@ -612,7 +612,8 @@ class _Request:
         self.stats = RequestStats(prompt_tokens=len(prompt))
         self.length = length
         self.offers: DraftLengthController | None = None  # an offering drafter's: the offered drafts' counts
-        self.offered: Draft | None = None  # this step's offer (adaptive mode)
+        self.asked_offer = False  # this step weighed its drafter's offer (adaptive mode, not seeded)
+        self.offered: Draft | None = None  # this step's offer, if it had one
         self.took_offer = False  # this step drafts the offer's first k tokens
         self.row = -1  # the target cache row, once admitted
         self.prefilled = 0  # prompt tokens fed to the target

@@ -104,7 +104,8 @@ class WrongModel(RowwiseDrafter):
     def propose_row(self, row: DraftRow) -> Draft:
         prompt = self.prompts[row.req_id]
         done = len(row.context) - len(prompt)
-        return Draft([(t + 1) % self.vocab for t in self.expected[prompt][done : done + row.max_tokens]], "model")
+        truth = self.expected.get(prompt, row.context)[done : done + row.max_tokens]  # unknown: any tokens
+        return Draft([(t + 1) % self.vocab for t in truth], "model")
 
     def end(self, req_id, output_ids=None):
         self.prompts.pop(req_id, None)
@@ -136,6 +137,42 @@ def test_adaptive_hybrid_weighs_the_suffix_cache_apart_from_a_model_that_does_no
     assert not any(s.source == "model" and s.accepted for s in steps)
     assert engine._acceptance[hybrid.version].get(0)[1] == 0  # the suffix cache's hits are not the model's
     assert engine._offered.get(0)[1] >= len(suffix) - 1
+
+
+def test_adaptive_hybrid_seeded_sampled_requests_still_draft_from_the_suffix_cache(stories, greedy_cases):
+    """A seeded sampled request keeps the acceptance-only rule (its k must not depend on timings): the
+    whole hybrid drafts for it (`propose`: the suffix cache first), as at fixed k; a greedy request's
+    offer is weighed by the rule, and its model is asked alone (`propose_model`)."""
+    calls: list[str] = []
+
+    class Spy(HybridDrafter):
+        def offer(self, rows):
+            calls.append("offer")
+            return super().offer(rows)
+
+        def propose_model(self, rows):
+            calls.append("propose_model")
+            return super().propose_model(rows)
+
+        def propose(self, rows):
+            calls.append("propose")
+            return super().propose(rows)
+
+    prompt, expected = greedy_cases[0]
+    cache = SuffixCache()
+    cache.add_sequence(prompt + expected)
+    engine = SpeculativeEngine.for_model(stories, Spy(SuffixDrafter(cache, write_through=False),
+                                                      WrongModel({}, stories.vocab_size)),
+                                         EngineConfig(draft=DraftLengthConfig(k=6, adaptive=True)))
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3))
+    drafting = sum(1 for s in res.trace.steps if s.drafted)
+    assert drafting and calls[:2] == ["propose", "offer"]  # propose asks its suffix cache first
+    assert calls.count("propose") == calls.count("offer") == drafting  # no offer weighed by the engine
+    calls.clear()
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+    assert res.output_ids == expected and "propose" not in calls
+    assert calls.count("offer") >= len(res.trace.steps) - 1  # every step with a token left to draft
+    assert any(s.source == "suffix" for s in res.trace.steps)
 
 
 def synthetic_trace(ids: list[int], out: list[int], tag: str | None, rid: str) -> RequestTrace:
