@@ -2,7 +2,9 @@
 
 Rows (greedy, same prompts, our engine): no drafter; the model drafter (derived from the
 target's first layers, runtime.derive); the suffix drafter (own prompt/output tree + the global
-cache of earlier outputs); the hybrid (suffix when its score >= threshold, else the model).
+cache of earlier outputs); the hybrid (suffix when its score >= threshold, else the model), at
+fixed k and with the adaptive rule (`serve`'s default: the suffix cache's draft weighed as an
+offer, the model by its own cost).
 The global caches start empty and learn from every finished request, as a replica tailing the
 traffic log would (here the output is added directly instead of going through the stream).
 For each prompt all rows run back to back, so machine drift hits them alike.
@@ -94,17 +96,21 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[str]:
 def run(target, drafter_dir, prompts: list[str], args) -> list[dict]:
     tok = target.tokenizer
     model = load_model_drafter(drafter_dir, target)
-    suffix_cache, hybrid_cache = SuffixCache(), SuffixCache()
+    suffix_cache, hybrid_cache, adaptive_cache = SuffixCache(), SuffixCache(), SuffixCache()
     fixed = EngineConfig(draft=DraftLengthConfig(k=args.k))
     long = EngineConfig(draft=DraftLengthConfig(k=args.suffix_k))
+    adaptive = EngineConfig(draft=DraftLengthConfig(k=args.suffix_k, adaptive=True))
     rows = {
         "no drafter": (SpeculativeEngine.for_model(target, NoDrafter()), None),
         f"model drafter k={args.k}": (SpeculativeEngine.for_model(target, model, fixed), None),
         f"suffix k≤{args.suffix_k}": (SpeculativeEngine.for_model(target, SuffixDrafter(suffix_cache), long),
                                        suffix_cache),
-        f"hybrid (suffix k≤{args.suffix_k} | model k={args.k}, threshold {args.threshold})": (
+        f"hybrid (suffix k≤{args.suffix_k}, else model k={args.k}; threshold {args.threshold})": (
             SpeculativeEngine.for_model(target, HybridDrafter(SuffixDrafter(hybrid_cache), model, args.threshold,
                                                               model_k=args.k), long), hybrid_cache),
+        f"hybrid, adaptive k≤{args.suffix_k} (serve's default)": (
+            SpeculativeEngine.for_model(target, HybridDrafter(SuffixDrafter(adaptive_cache), model, args.threshold),
+                                        adaptive), adaptive_cache),
     }
     acc = {name: {"s": 0.0, "tokens": 0, "stats": [], "match": True, "sources": {}} for name in rows}
     rows["no drafter"][0].generate(encode(tok, prompts[0], chat=True), SamplingParams(max_new_tokens=4))  # warm-up
