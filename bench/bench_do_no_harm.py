@@ -51,7 +51,10 @@ from runtime.loader import LoadedModel, load_model
 from runtime.stats import RequestStats
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a bird",
-                 "Sam had a red ball", "The sun was hot and", "Mom said to Ben", "There was a big tree"]
+                 "Sam had a red ball", "The sun was hot and", "Mom said to Ben", "There was a big tree",
+                 "The cat sat by the window", "Tim found a shiny rock", "It was a rainy day and",
+                 "Anna wanted a new toy", "The boat was very small", "A little girl named Sue",
+                 "The frog jumped into the pond", "Max and his dad baked a cake"]
 MEDIAN_MIN, EACH_MIN = 0.95, 0.90  # the issue's bar
 
 
@@ -59,7 +62,11 @@ def read_prompts(spec: str, chat: bool) -> list[str]:
     """`--prompts`: a count of built-in prompts (chat prompts, or story openings for a target
     without a chat template), or a .txt / .jsonl file as `livedraft generate` reads it."""
     if spec.isdigit():
-        return (PROMPTS if chat else STORY_PROMPTS)[: int(spec)]
+        pool = PROMPTS if chat else STORY_PROMPTS
+        if not 1 <= int(spec) <= len(pool):
+            raise SystemExit(f"--prompts {spec}: there are {len(pool)} built-in "
+                             f"{'chat' if chat else 'story'} prompts (or give a .txt / .jsonl file)")
+        return pool[: int(spec)]
     return generate.read_prompts(spec)
 
 
