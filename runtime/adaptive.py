@@ -399,10 +399,13 @@ def choose_with_offers(controllers: list[DraftLengthController], remaining: list
     version = versions[0] if len(set(versions)) == 1 else ""
     own, taken, probing = [], [False] * n, 0  # probing: the widest probe due this step
     for i, (c, cap, v, offer) in enumerate(zip(controllers, caps, versions, offers, strict=True)):
-        if offer is not None and (k := _offer_length(offer, min(cap, offer.length), costs)):
-            curves[i], taken[i] = offer.controller.expected_tokens(k), True
-            own.append(k)
-            continue
+        if offer is not None:
+            k, probe = _offer_length(offer, min(cap, offer.length), costs)
+            if k:
+                curves[i], taken[i] = offer.controller.expected_tokens(k), True
+                probing = max(probing, k if probe else 0)
+                own.append(k)
+                continue
         best, weighs = 0, c.weighs()  # an unproven version without inherited acceptance drafts its probes only
         if weighs and c.idle_for > 0:  # decided "draft nothing" a few steps ago: E(0) = 1 is all it needs
             c.idle_for -= 1
@@ -420,6 +423,7 @@ def choose_with_offers(controllers: list[DraftLengthController], remaining: list
     top = max(own, default=0)
     if top == 0:
         return own, taken
+
     def batch_rate(k_cap: int) -> float | None:
         verify = costs.verify(n * (k_cap + 1))  # every row padded to the cap
         # the drafter drafts its own rows' tokens only: an offer taken costs nothing more to draft
@@ -437,18 +441,21 @@ def choose_with_offers(controllers: list[DraftLengthController], remaining: list
     return ks, [t and k > 0 for t, k in zip(taken, ks, strict=True)]
 
 
-def _offer_length(offer: Offer, cap: int, costs: CostModel) -> int:
-    """Tokens of an offer worth verifying: the best k by expected tokens per second of verifying, with
-    the margin; once its k is 0 an offer is probed as a drafter is (one token, on its probe schedule)."""
+def _offer_length(offer: Offer, cap: int, costs: CostModel) -> tuple[int, bool]:
+    """Tokens of an offer worth verifying — the best k by expected tokens per second of verifying, with
+    the margin — and whether they are a probe: while unproven, and once its best k is 0, an offer is
+    probed as a drafter is (the cold start's slow start, then one token on the probe schedule), and
+    the batch's cap keeps a probe as it keeps a drafter's."""
     c = offer.controller
     if cap <= 0:
-        return 0
-    best = 0
+        return 0, False
     if c.weighs():
         best = _argmax_rate(c.expected_tokens(cap), costs.verify_seconds, c.config.margin)
-    if best == 0 and c.wants_probe():
-        best = c.probe_width(cap)
-    return best
+        if best:
+            return best, False
+    if c.wants_probe():
+        return c.probe_width(cap), True
+    return 0, False
 
 
 def _probe_interval(config: DraftLengthConfig, costs: CostModel, version: str) -> int:

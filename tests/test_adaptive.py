@@ -129,6 +129,12 @@ def test_an_offer_is_weighed_by_its_own_acceptance_at_the_verify_cost_alone():
     # in a batch the drafter's cost counts the tokens it drafts: none here, beside an offer taken whole
     pair = [controller(0.9), controller(0.05)]
     assert choose_with_offers(pair, [50, 50], ["v", "v"], costs, [Offer(good, 6), None]) == ([6, 0], [True, False])
+    # an unproven offer probes (the cold start's slow start), and the batch's cap keeps the probe even
+    # where verifying is dear enough that the batch's rates alone would draft nothing
+    dear = CostModel.synthetic(draft_ratio=1.0, verify_slope=0.5)
+    fresh = DraftLengthController(DraftLengthConfig(k=6, adaptive=True), AcceptanceCounts())
+    pair = [controller(0.05), controller(0.05)]
+    assert choose_with_offers(pair, [50, 50], ["v", "v"], dear, [Offer(fresh, 6), None]) == ([1, 0], [True, False])
 
 
 class Switching(RowwiseDrafter):
