@@ -207,12 +207,14 @@ class CostModel:
         """One row verifying k drafted tokens (k + 1 fed); None until the target was measured."""
         return self.verify(k + 1)
 
-    def step_seconds(self, version: str, rows: int, k: int) -> float | None:
-        """A step of `rows` requests drafting k tokens each; None until the target was measured."""
+    def step_seconds(self, version: str, rows: int, k: int, drafted: int | None = None) -> float | None:
+        """A step of `rows` requests verifying k drafted tokens each (padded to k), of which `version`
+        drafted `drafted` in all (default rows x k; fewer where rows draft less or took an offer);
+        None until the target was measured."""
         v = self.verify(rows * (k + 1))
         if v is None:
             return None
-        return v + (self.draft_seconds(version, rows * k) or 0.0)
+        return v + (self.draft_seconds(version, rows * k if drafted is None else drafted) or 0.0)
 
 
 FIRST_PROBES = 4  # an unproven version's first-token probes before its hit rate decides whether new requests probe
@@ -425,12 +427,12 @@ def choose_with_offers(controllers: list[DraftLengthController], remaining: list
         return own, taken
 
     def batch_rate(k_cap: int) -> float | None:
-        verify = costs.verify(n * (k_cap + 1))  # every row padded to the cap
         # the drafter drafts its own rows' tokens only: an offer taken costs nothing more to draft
-        draft = costs.draft_seconds(version, sum(min(k, k_cap) for k, t in zip(own, taken, strict=True) if not t))
-        if verify is None or draft is None or verify + draft <= 0:
+        drafted = sum(min(k, k_cap) for k, t in zip(own, taken, strict=True) if not t)
+        secs = costs.step_seconds(version, n, k_cap, drafted)
+        if secs is None or secs <= 0:
             return None
-        return sum(curve[min(k, k_cap)] for curve, k in zip(curves, own, strict=True)) / (verify + draft)
+        return sum(curve[min(k, k_cap)] for curve, k in zip(curves, own, strict=True)) / secs
 
     rates = [batch_rate(k) for k in range(top + 1)]
     if any(r is None for r in rates):  # the target's cost not measured yet: probes only

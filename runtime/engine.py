@@ -28,6 +28,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -447,17 +448,15 @@ class SpeculativeEngine:
     def _offers(self, reqs: list[_Request], remaining: list[int]) -> list[Offer | None]:
         """The offered drafts of the requests whose drafter offers (kept on `req.offered`)."""
         out: list[Offer | None] = [None] * len(reqs)
+        caps = [min(self.config.draft.k, left) for left in remaining]
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
-            cap = min(self.config.draft.k, remaining[i])
-            if r.offers is not None and cap > 0:
+            if r.offers is not None and caps[i] > 0:  # `offers` is set for an offering drafter's requests only
                 groups.setdefault(id(r.drafter), []).append(i)
                 r.asked_offer = True
         for idxs in groups.values():
-            drafter = reqs[idxs[0]].drafter
-            assert isinstance(drafter, OfferingDrafter)
-            rows = [DraftRow(reqs[i].id, reqs[i].context, min(self.config.draft.k, remaining[i]))
-                    for i in idxs]
+            drafter = cast(OfferingDrafter, reqs[idxs[0]].drafter)  # not isinstance: a Protocol check per step
+            rows = [DraftRow(reqs[i].id, reqs[i].context, caps[i]) for i in idxs]
             for i, d in zip(idxs, drafter.offer(rows), strict=True):
                 if d is not None and d.tokens:
                     reqs[i].offered = d
