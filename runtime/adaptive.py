@@ -19,8 +19,10 @@ and picking the best of noisy estimates favours whichever is over-estimated, so 
 the rule keeps the sure option (a head right 14 % of the time on an AVX2 CPU, where verifying two
 tokens costs ~1.1 steps, drafted on 40 % of steps at a small loss without it). Once a proven
 version's best k is 0, the request keeps k = 0 for `recheck_every` steps before it weighs every
-k again (probes stay on their schedule): on a small target the weighing itself is a few percent
-of a step, and a decision that did not draft changes no counts.
+k again (probes stay on their schedule), twice as long each time the answer stays "nothing" (up to
+`RECHECK_GROWTH` times), and `recheck_every` again once a drafted token is accepted: on a small
+target the weighing itself is a few percent of a step, and a decision that did not draft changes
+no counts (between probes only other requests' drafts and the costs' drift move the estimates).
 
 Cold start bets on nothing: a version with fewer than `min_evidence` drafted positions (over
 all its requests) drafts only probes: one token at a request's first step (while that token is
@@ -217,6 +219,7 @@ class CostModel:
         return v + (self.draft_seconds(version, rows * k if drafted is None else drafted) or 0.0)
 
 
+RECHECK_GROWTH = 8  # a proven version's "draft nothing" waits at most this many recheck_every steps
 FIRST_PROBES = 4  # an unproven version's first-token probes before its hit rate decides whether new requests probe
 
 
@@ -277,6 +280,8 @@ class DraftLengthController:
         self.last_hit = False  # this request's last step drafted and every drafted token was accepted
         self.last_drafted = 0  # tokens this request's last step drafted
         self.idle_for = 0  # steps left before a proven version's "draft nothing" is weighed again
+        self.recheck = config.recheck_every  # the next such wait (module docstring)
+        self.interval: int | None = None  # this stretch without drafting's probe interval, once asked for
 
     @property
     def min_confidence(self) -> float:
@@ -351,7 +356,11 @@ class DraftLengthController:
             return True
         if self.since_draft + 1 < self.config.probe_every:  # never sooner, however cheap probes are
             return False
-        return every is None or self.since_draft + 1 >= every()
+        if every is None:
+            return True
+        if self.interval is None:  # once per stretch without drafting: the costs it reads drift slowly
+            self.interval = every()
+        return self.since_draft + 1 >= self.interval
 
     def _first_token_pays(self) -> bool:
         reached, passed = self.version_counts.get(0)
@@ -362,6 +371,10 @@ class DraftLengthController:
         if self.shared is not None:
             self.shared.update(drafted, accepted)
         self.since_draft = 0 if drafted else self.since_draft + 1
+        if drafted:
+            self.interval = None
+        if accepted:  # news: weigh a "draft nothing" again soon
+            self.recheck = self.config.recheck_every
         self.last_hit = drafted > 0 and accepted >= drafted
         self.last_drafted = drafted
 
@@ -415,7 +428,8 @@ def choose_with_offers(controllers: list[DraftLengthController], remaining: list
             curves[i] = c.expected_tokens(cap)
             best = _argmax_rate(curves[i], lambda k, v=v: costs.step_seconds(v, 1, k), c.config.margin)
             if best == 0:
-                c.idle_for = c.config.recheck_every - 1
+                c.idle_for = c.recheck - 1
+                c.recheck = min(2 * c.recheck, RECHECK_GROWTH * c.config.recheck_every)
         if best == 0 and cap > 0 and c.wants_probe(lambda c=c, v=v: _probe_interval(c.config, costs, v)):
             best = c.probe_width(cap)
             probing = max(probing, best)

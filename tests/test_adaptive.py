@@ -4,9 +4,12 @@ off (k = 0, with probes) and back on when it starts paying, and shrinks k as ver
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from runtime.adaptive import (
+    RECHECK_GROWTH,
     AcceptanceCounts,
     CostModel,
     Curve,
@@ -101,6 +104,35 @@ def test_a_switched_off_version_is_weighed_again_every_few_steps():
     assert choose_lengths([bad], [50], ["v"], costs) == [0] and bad.idle_for > 0
     bad.since_draft = bad.config.probe_every - 1
     assert choose_lengths([bad], [50], ["v"], costs) == [1]  # idle, and its probe is due all the same
+
+
+def test_a_decision_that_stays_nothing_is_weighed_ever_less_often_until_a_token_is_accepted(monkeypatch):
+    """Between probes a switched-off request's estimates barely move, so each "draft nothing" that
+    holds doubles the wait before the next weighing (up to RECHECK_GROWTH x recheck_every); an
+    accepted token is news and brings the short wait back. The probe interval is computed once per
+    stretch without drafting, not every step."""
+    import runtime.adaptive as adaptive
+
+    intervals = []
+    real = adaptive._probe_interval
+    monkeypatch.setattr(adaptive, "_probe_interval", lambda *a: intervals.append(1) or real(*a))
+    costs = CostModel.synthetic(draft_ratio=0.05, verify_slope=0.15)
+    c = controller(0.0)
+    weighed, probes = [], 0
+    for step in range(300):
+        idle = c.idle_for
+        k = choose_lengths([c], [500], ["v"], costs)[0]
+        assert k <= 1
+        probes += k
+        if idle == 0:
+            weighed.append(step)
+        c.update(k, 0)  # every probe rejected
+    waits = [b - a for a, b in itertools.pairwise(weighed)]
+    base = c.config.recheck_every
+    assert waits[:4] == [base, 2 * base, 4 * base, 8 * base] and set(waits[4:]) == {RECHECK_GROWTH * base}
+    assert probes >= 300 // (2 * c.config.probe_every) and len(intervals) <= probes + 1
+    c.update(1, 1)  # an accepted token
+    assert c.recheck == base and c.interval is None
 
 
 def test_k_shrinks_as_verification_gets_dearer():
