@@ -337,12 +337,13 @@ def test_synthesized_prompts_are_the_chat_targets_own_user_turns(smollm2):
     tok = smollm2.tokenizer
     prefix = tok.decode(user_turn_prefix(tok))
     assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix
-    a = synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3)
+    a = synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3, batch=4)
     assert len(a) == len(set(a)) == 3
     assert all(len(p) >= 12 and "<|im_" not in p and p == p.strip() for p in a)
-    assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3) == a  # seeded
-    assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=4) != a
-    opened = synthesize_prompts(smollm2, 1, max_prompt_tokens=64, seed=3, opener="Write a Python function that")
+    assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=3, batch=4) == a  # seeded
+    assert synthesize_prompts(smollm2, 3, max_prompt_tokens=64, seed=4, batch=4) != a
+    opened = synthesize_prompts(smollm2, 1, max_prompt_tokens=64, seed=3, batch=4,
+                                opener="Write a Python function that")
     assert opened[0].startswith("Write a Python function that") and len(opened[0]) >= 28 + 12
 
 
