@@ -81,7 +81,7 @@ class DraftLengthConfig:
     probe_every: int = 8  # adaptive: with k = 0 best, draft one token every this many steps
     min_evidence: int = 16  # adaptive: drafted positions a version needs before k > 1 (module docstring)
     probe_budget: float = 0.02  # adaptive: probes' extra seconds, spread over the steps between them, per step
-    recheck_every: int = 4  # adaptive: a proven version's "draft nothing" is re-decided every this many steps
+    recheck_every: int = 4  # adaptive: steps before a proven version's "draft nothing" is re-decided (doubling)
     margin: float = 0.05  # adaptive: drafting must beat drafting nothing by this share of expected tokens/s
 
     def __post_init__(self) -> None:
