@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from bench import bench_engine
 from bench.bench_engine import PROMPTS
 from online.commands import generate
 from runtime.adaptive import DraftLengthConfig
@@ -61,13 +62,7 @@ MEDIAN_MIN, EACH_MIN = 0.95, 0.90  # the issue's bar
 def read_prompts(spec: str, chat: bool) -> list[str]:
     """`--prompts`: a count of built-in prompts (chat prompts, or story openings for a target
     without a chat template), or a .txt / .jsonl file as `livedraft generate` reads it."""
-    if spec.isdigit():
-        pool = PROMPTS if chat else STORY_PROMPTS
-        if not 1 <= int(spec) <= len(pool):
-            raise SystemExit(f"--prompts {spec}: there are {len(pool)} built-in "
-                             f"{'chat' if chat else 'story'} prompts (or give a .txt / .jsonl file)")
-        return pool[: int(spec)]
-    return generate.read_prompts(spec)
+    return bench_engine.read_prompts(spec, *((PROMPTS, "chat") if chat else (STORY_PROMPTS, "story")))
 
 
 def cpu() -> str:

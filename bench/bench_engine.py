@@ -86,9 +86,15 @@ def hf_assistant(drafter: ModelDrafter, vocab: int, k: int) -> torch.nn.Module:
     return model
 
 
-def read_prompts(spec: str) -> list[str]:
-    """`--prompts`: a count of the built-in prompts, or a prompts file as `livedraft generate` reads it."""
-    return PROMPTS[: int(spec)] if spec.isdigit() else generate.read_prompts(spec)
+def read_prompts(spec: str, pool: list[str] = PROMPTS, kind: str = "chat") -> list[str]:
+    """`--prompts`: a count of the built-in `kind` prompts `pool` (a count beyond them is an error, not
+    a silent cut), or a prompts file as `livedraft generate` reads it."""
+    if spec.isdigit():
+        if not 1 <= int(spec) <= len(pool):
+            raise SystemExit(f"--prompts {spec}: there are {len(pool)} built-in {kind} prompts "
+                             "(or give a .txt / .jsonl file)")
+        return pool[: int(spec)]
+    return generate.read_prompts(spec)
 
 
 def hf_row(model, ids: list[int], max_new: int, **kw) -> tuple[list[int], float]:
