@@ -134,10 +134,11 @@ def init_head(target: LoadedModel, draft_ids: Sequence[int], *, aux_layers: Sequ
     last = target.model.model.layers[-1]
     d = cfg.hidden_size
     layer = head.layers[0]
+    gen = torch.Generator().manual_seed(seed)  # the head is built on the CPU; the same head every time
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
             mine, theirs = getattr(layer.self_attn, name), getattr(last.self_attn, name)
-            mine.weight.normal_(0.0, float(getattr(tc, "initializer_range", 0.02)))
+            mine.weight.normal_(0.0, float(getattr(tc, "initializer_range", 0.02)), generator=gen)
             mine.weight[:, d:] = theirs.weight
             if mine.bias is not None and theirs.bias is not None:
                 mine.bias.copy_(theirs.bias)
@@ -150,7 +151,7 @@ def init_head(target: LoadedModel, draft_ids: Sequence[int], *, aux_layers: Sequ
         head.fc.weight[:, (len(aux) - 1) * d :] = torch.eye(d)  # start from the highest layer's stream
         head.norm.weight.copy_(target.model.model.norm.weight)
         head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[head.draft_ids])
-    return head.to(target.model.dtype)
+    return head.to(device=target.model.device, dtype=target.model.dtype)
 
 
 def save_head(head: EagleHead, out_dir: Path, meta: dict[str, Any]) -> Path:
@@ -201,10 +202,11 @@ class TTTLoss:
 
     def __init__(self, head: EagleHead, embed: torch.Tensor, target_head: torch.Tensor, cfg: TrainerConfig) -> None:
         self.head, self.cfg = head, cfg
-        self.embed = embed.detach()
-        self.target_rows = target_head.detach()[head.draft_ids]  # [V_draft, d]
-        index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-        index[head.draft_ids] = torch.arange(len(head.draft_ids))
+        self.embed = embed.detach().to(head.fc.weight.device)
+        self.device = head.fc.weight.device  # the head's: every batch is built there
+        self.target_rows = target_head.detach()[head.draft_ids.to(target_head.device)].to(self.device)  # [V_draft, d]
+        index = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=self.device)
+        index[head.draft_ids] = torch.arange(len(head.draft_ids), device=self.device)
         self.draft_index = index  # target id -> draft row, -1 outside the draft vocabulary
         rot = head.rotary_emb
         self.rotary = Rotary(rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)), embed.dtype)
@@ -213,9 +215,10 @@ class TTTLoss:
     def __call__(self, batch: list[EagleExample]) -> tuple[torch.Tensor, dict[str, float]]:
         n = max(len(e.ids) for e in batch)
         b, t = len(batch), n - 1
+        dev = self.device
         ids = torch.zeros((b, n + 1), dtype=torch.long)  # one spare column: labels run to n
-        feats = torch.zeros((b, t, batch[0].features.shape[-1]), dtype=self.embed.dtype)
-        hidden = torch.zeros((b, t, batch[0].hidden.shape[-1]), dtype=self.embed.dtype)
+        feats = torch.zeros((b, t, batch[0].features.shape[-1]), dtype=self.embed.dtype, device=dev)
+        hidden = torch.zeros((b, t, batch[0].hidden.shape[-1]), dtype=self.embed.dtype, device=dev)
         weights = torch.zeros((b, t))
         for i, e in enumerate(batch):
             m = len(e.ids)
@@ -223,6 +226,7 @@ class TTTLoss:
             feats[i, : m - 1] = e.features[:-1]
             hidden[i, : m - 1] = e.hidden[1:]  # row t's target: the distribution at position t + 1
             weights[i, : m - 1] = e.weights[1:]
+        ids, weights = ids.to(dev), weights.to(dev)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # soft labels stay full precision
             target_lp = torch.log_softmax((hidden @ self.target_rows.T).float(), dim=-1)  # [B, T, V_draft]
         emb = self.embed[ids]  # [B, N + 1, d]
@@ -252,7 +256,7 @@ class TTTLoss:
         residual = hn if head.config.norm_before_residual else h_in
         x = torch.cat([layer.input_layernorm(emb), hn], dim=-1)
         a = layer.self_attn
-        pos = torch.arange(tj)[None].expand(b, tj) + j  # row t at step j sits at position t + j
+        pos = torch.arange(tj, device=emb.device)[None].expand(b, tj) + j  # row t at step j sits at position t + j
         cos, sin = self.rotary(pos, tj + j)
         q = rotate(a.q_proj(x).view(b, tj, s.heads, s.head_dim).transpose(1, 2), cos, sin)
         k = rotate(a.k_proj(x).view(b, tj, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
@@ -277,7 +281,7 @@ def _ttt_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]
     tj, rep = q.shape[2], s.heads // s.kv_heads
     k0, v0 = (x[:, :, :tj].repeat_interleave(rep, dim=1) for x in keys[0])
     scores = (q @ k0.transpose(-1, -2)) * s.scale  # [B, H, Tj, Tj]
-    causal = torch.ones(tj, tj, dtype=torch.bool).tril()
+    causal = torch.ones(tj, tj, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     diag_k = [ki[:, :, :tj].repeat_interleave(rep, dim=1) for ki, _ in keys[1:]] + [k.repeat_interleave(rep, dim=1)]
     diag_v = [vi[:, :, :tj].repeat_interleave(rep, dim=1) for _, vi in keys[1:]] + [v.repeat_interleave(rep, dim=1)]
