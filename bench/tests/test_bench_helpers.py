@@ -255,3 +255,33 @@ def test_do_no_harm_puts_each_side_first_equally_often_per_repetition_and_per_pr
         assert firsts.count("target") == firsts.count("adaptive") == 3
     for i in range(6):
         assert [interleaved(rep, i)[0] for rep in range(2)] in (["target", "adaptive"], ["adaptive", "target"])
+
+
+def test_the_scaling_bench_reads_answers_made_elsewhere_only_with_the_same_settings(tmp_path):
+    """`--data`: another run's answers (the same model under another name, say on a GPU) are read
+    back by set; other settings, fewer written prompts than asked for or no file are refused."""
+    import argparse
+    import gzip
+    import json
+
+    from bench.eagle_data_scaling import DATA_KEYS, make_data
+    from online.stream.events import trace_to_json
+    from runtime.trace import RequestTrace
+
+    settings = dict(zip(DATA_KEYS, ("/gpu/model.gguf", 2, 1, 1, 0.8, 8, "u.jsonl"), strict=True))
+    tags = ["pool"] * 4 + ["magpie"] * 3 + ["heldout", "bench", "unlike"]
+    path = tmp_path / "data.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"key": settings, "magpie": 3}) + "\n")
+        for i, tag in enumerate(tags):
+            f.write(trace_to_json(RequestTrace(f"r{i}", [1, i], [2, 3], [], "m", "none", tag=tag)) + "\n")
+    args = argparse.Namespace(**{**settings, "target": "smollm2-135m"})
+    data = make_data(None, args, 2, path, made_elsewhere=True)
+    assert {k: len(v) for k, v in data.items()} == {"pool": 4, "magpie": 3, "heldout": 1, "bench": 1, "unlike": 1}
+    assert [t.request_id for t in data["magpie"]] == ["r4", "r5", "r6"]
+    with pytest.raises(SystemExit, match="same settings"):
+        make_data(None, argparse.Namespace(**{**vars(args), "max_new_tokens": 16}), 2, path, made_elsewhere=True)
+    with pytest.raises(SystemExit, match="same settings"):
+        make_data(None, args, 4, path, made_elsewhere=True)
+    with pytest.raises(SystemExit, match="no such file"):
+        make_data(None, args, 2, tmp_path / "none.gz", made_elsewhere=True)
