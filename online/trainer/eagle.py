@@ -202,8 +202,8 @@ class TTTLoss:
 
     def __init__(self, head: EagleHead, embed: torch.Tensor, target_head: torch.Tensor, cfg: TrainerConfig) -> None:
         self.head, self.cfg = head, cfg
-        self.embed = embed.detach().to(head.fc.weight.device)
         self.device = head.fc.weight.device  # the head's: every batch is built there
+        self.embed = embed.detach().to(self.device)
         self.target_rows = target_head.detach()[head.draft_ids.to(target_head.device)].to(self.device)  # [V_draft, d]
         index = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=self.device)
         index[head.draft_ids] = torch.arange(len(head.draft_ids), device=self.device)
