@@ -364,9 +364,11 @@ class SpeculativeEngine:
         """Verifies each running row's draft (rows 0..len(reqs)-1 of `fwd`) and crops its target
         cache to the accepted prefix."""
         width = max(len(d.tokens) for d in drafts) + 1
-        dev = fwd.logits.device  # a drafter may sit on another device than the target (replay's is the CPU)
-        rows = [VerifyRow(d.tokens, None if d.probs is None else d.probs.to(dev), r.params.temperature,
-                          r.params.top_p, r.generator) for r, d in zip(reqs, drafts, strict=True)]
+        for d in drafts:  # a drafter may sit on another device than the target (replay's is the CPU)
+            if d.probs is not None:
+                d.probs = d.probs.to(fwd.logits.device)  # once: verify and alpha (_record) read them here
+        rows = [VerifyRow(d.tokens, d.probs, r.params.temperature, r.params.top_p, r.generator)
+                for r, d in zip(reqs, drafts, strict=True)]
         checked = verify_batch(fwd.logits[: len(reqs), :width], rows, with_probs=self.config.measure_alpha)
         for req, verdict in zip(reqs, checked.verdicts, strict=True):
             self.target.rollback(req.row, len(req.context) + verdict.accepted)
@@ -406,8 +408,8 @@ class SpeculativeEngine:
                 top = lp.topk(min(self.config.topk_logprobs, lp.shape[-1]))
                 rec.topk_ids, rec.topk_logprobs = top.indices.tolist(), top.values.tolist()
             q, p = draft.probs, checked.target_probs[b]
-            if p is not None:  # q exists where p does (verify_batch), on the drafter's device
-                req.stats.alpha_sum += float(torch.minimum(p, q[:, : p.shape[-1]].to(p.device)).sum())
+            if p is not None:
+                req.stats.alpha_sum += float(torch.minimum(p, q[:, : p.shape[-1]]).sum())
                 req.stats.alpha_count += len(draft.tokens)
             req.stats.record_step(len(draft.tokens), rec.accepted)
             req.steps.append(rec)
