@@ -309,6 +309,64 @@ def test_bf16_mixed_precision_computes_the_same_loss_and_learns(stories, stories
         check_config(TrainerConfig(mixed_precision="fp8"))
 
 
+def dense_ttt_loss(loss_fn, batch):
+    """EAGLE-3's unrolled loss written out over every row of the batch (the module docstring's
+    formula, logits at every position): what TTTLoss computes on the weighted rows only."""
+    n = max(len(e.ids) for e in batch)
+    b, t = len(batch), n - 1
+    ids = torch.zeros((b, n + 1), dtype=torch.long)
+    feats = torch.zeros((b, t, batch[0].features.shape[-1]))
+    hidden = torch.zeros((b, t, batch[0].hidden.shape[-1]))
+    weights = torch.zeros((b, t))
+    for i, e in enumerate(batch):
+        m = len(e.ids)
+        ids[i, :m], feats[i, : m - 1] = torch.tensor(e.ids), e.features[:-1]
+        hidden[i, : m - 1], weights[i, : m - 1] = e.hidden[1:], e.weights[1:]
+    target_lp = torch.log_softmax(hidden @ loss_fn.target_rows.T, dim=-1)
+    emb, h, keys, total = loss_fn.embed[ids], loss_fn.head.fuse(feats), [], 0.0
+    for j in range(min(loss_fn.cfg.ttt_steps, t)):
+        tj = t - j
+        h, logits = loss_fn._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, torch.ones(b, tj, dtype=torch.bool))
+        lq = torch.log_softmax(logits.view(b, tj, -1), dim=-1)
+        tl = target_lp[:, j : j + tj]
+        labels = loss_fn.draft_index[ids[:, j + 2 : j + 2 + tj]]
+        w = weights[:, j : j + tj] * (labels >= 0)
+        kl = (tl.exp() * (tl - lq)).sum(-1)
+        ce = -lq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+        loss_j = (w * (kl + loss_fn.cfg.ce_weight * ce)).sum() / w.sum().clamp_min(1)
+        total = total + loss_fn.cfg.ttt_decay ** j * loss_j
+    return total
+
+
+@pytest.mark.parametrize("prompt_weight", [0.1, 0.0])
+def test_the_loss_on_weighted_rows_only_equals_the_loss_over_every_row(stories, stories_eagle_init_dir, eagle_traffic,
+                                                                       prompt_weight):
+    """TTTLoss computes the head's logits and the soft labels only where a row has weight (no
+    padding, no prompt rows at prompt_weight 0, no label outside the draft vocabulary): its loss
+    and gradients equal the dense formula's over every row."""
+    from online.config import TrainerConfig
+    from online.trainer.eagle import TTTLoss, make_examples
+
+    head = EagleHead.load(stories_eagle_init_dir)
+    cfg = TrainerConfig(prompt_weight=prompt_weight, ce_weight=0.2, ttt_decay=0.8)
+    traces = eagle_traffic[:6]
+    examples = make_examples(traces, FeatureExtractor(stories, head.config.aux_layers)(traces), cfg)
+    assert len({len(e.ids) for e in examples}) > 1  # padding in the batch
+    loss_fn = TTTLoss(head, stories.model.get_input_embeddings().weight, stories.model.get_output_embeddings().weight,
+                      cfg)
+    grads = []
+    for compute in (loss_fn, lambda batch: dense_ttt_loss(loss_fn, batch)):
+        head.zero_grad(set_to_none=True)
+        out = compute(examples)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        grads.append((float(loss.detach()), torch.cat([p.grad.flatten() for p in head.parameters()
+                                                         if p.grad is not None])))
+    (fast, g_fast), (dense, g_dense) = grads
+    assert fast == pytest.approx(dense, rel=1e-5)
+    torch.testing.assert_close(g_fast, g_dense, rtol=1e-4, atol=1e-6)
+
+
 def test_sampled_answers_are_seeded_and_logged_as_sampled(stories):
     from online.trainer.warmstart import answer_prompts
 

@@ -227,28 +227,38 @@ class TTTLoss:
             hidden[i, : m - 1] = e.hidden[1:]  # row t's target: the distribution at position t + 1
             weights[i, : m - 1] = e.weights[1:]
         ids, weights = ids.to(dev), weights.to(dev)
+        # the target's distribution at position s is a label only where weights[b, s] > 0 (row t of step j
+        # reads position t + j under weight weights[b, t + j]): only those rows are computed, packed
+        used = weights > 0
+        slot = torch.full((b, t), -1, dtype=torch.long, device=dev)
+        slot[used] = torch.arange(int(used.sum()), device=dev)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # soft labels stay full precision
-            target_lp = torch.log_softmax((hidden @ self.target_rows.T).float(), dim=-1)  # [B, T, V_draft]
+            target_lp = torch.log_softmax((hidden[used] @ self.target_rows.T).float(), dim=-1)  # [S, V_draft]
+            target_p = target_lp.exp()
+            neg_entropy = (target_p * target_lp).sum(-1)  # [S]: KL(p || q) = neg_entropy - sum p log q
         emb = self.embed[ids]  # [B, N + 1, d]
         h = self.head.fuse(feats)  # [B, T, d]
         total, parts = 0.0, {}
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j in range(min(self.cfg.ttt_steps, t)):
             tj = t - j
-            h, logits = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys)  # [B, Tj, d], [B, Tj, Vd]
             labels = self.draft_index[ids[:, j + 2 : j + 2 + tj]]  # draft row of token t + j + 2
             w = weights[:, j : j + tj] * (labels >= 0)
+            rows = w > 0  # rows with a loss: the head's logits are computed for these only
+            h, logits = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, rows)  # [B, Tj, d], [R, Vd]
             lq = torch.log_softmax(logits.float(), dim=-1)
-            tl = target_lp[:, j : j + tj]
-            kl = (tl.exp() * (tl - lq)).sum(-1)  # forward KL over the draft vocabulary
-            ce = -lq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
-            loss_j = (w * (kl + self.cfg.ce_weight * ce)).sum() / w.sum().clamp_min(1.0)
+            at = slot[:, j : j + tj][rows]
+            kl = neg_entropy[at] - (target_p[at] * lq).sum(-1)  # forward KL over the draft vocabulary
+            ce = -lq.gather(-1, labels[rows][:, None])[:, 0]
+            wr = w[rows]
+            loss_j = (wr * (kl + self.cfg.ce_weight * ce)).sum() / wr.sum().clamp_min(1.0)
             total = total + (self.cfg.ttt_decay ** j) * loss_j
             parts[f"step{j}"] = float(loss_j.detach())
         return total, parts
 
-    def _step(self, emb: torch.Tensor, h_in: torch.Tensor, j: int,
-              keys: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, emb: torch.Tensor, h_in: torch.Tensor, j: int, keys: list[tuple[torch.Tensor, torch.Tensor]],
+              rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step j of the unrolled head: its output states [B, Tj, d] and its logits at `rows` [R, V_draft]."""
         head, s = self.head, self.shape
         layer = head.layers[0]
         b, tj = emb.shape[0], emb.shape[1]
@@ -270,7 +280,7 @@ class TTTLoss:
         x = residual + a.o_proj(att.transpose(1, 2).reshape(b, tj, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = head.norm(x) if head.config.norm_output else x
-        logits = head.lm_head(out if head.config.norm_output else head.norm(x))
+        logits = head.lm_head(out[rows] if head.config.norm_output else head.norm(x[rows]))
         return out, logits
 
 
