@@ -242,15 +242,18 @@ class TTTLoss:
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j in range(min(self.cfg.ttt_steps, t)):
             tj = t - j
-            labels = self.draft_index[ids[:, j + 2 : j + 2 + tj]]  # draft row of token t + j + 2
-            w = weights[:, j : j + tj] * (labels >= 0)
-            rows = w > 0  # rows with a loss: the head's logits are computed for these only
+            rows = used[:, j : j + tj]  # rows with weight: the head's logits are computed for these only
             h, logits = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, rows)  # [B, Tj, d], [R, Vd]
             lq = torch.log_softmax(logits.float(), dim=-1)
-            at = slot[:, j : j + tj][rows]
-            kl = neg_entropy[at] - (target_p[at] * lq).sum(-1)  # forward KL over the draft vocabulary
-            ce = -lq.gather(-1, labels[rows][:, None])[:, 0]
-            wr = w[rows]
+            if int(rows.sum()) == len(target_p):  # every weighted position (none among the first j): packed alike
+                p, ne = target_p, neg_entropy
+            else:
+                at = slot[:, j : j + tj][rows]
+                p, ne = target_p[at], neg_entropy[at]
+            labels = self.draft_index[ids[:, j + 2 : j + 2 + tj][rows]]  # draft row of token t + j + 2
+            wr = weights[:, j : j + tj][rows] * (labels >= 0)  # no label outside the draft vocabulary
+            kl = ne - (p * lq).sum(-1)  # forward KL over the draft vocabulary
+            ce = -lq.gather(-1, labels.clamp_min(0)[:, None])[:, 0]
             loss_j = (wr * (kl + self.cfg.ce_weight * ce)).sum() / wr.sum().clamp_min(1.0)
             total = total + (self.cfg.ttt_decay ** j) * loss_j
             parts[f"step{j}"] = float(loss_j.detach())
