@@ -87,7 +87,7 @@ class TrainerConfig:
     # -- eagle (EAGLE-3 feature drafter) rounds --
     ttt_steps: int = 3  # training-time test: the head unrolled on its own outputs this many steps
     ttt_decay: float = 1.0  # step j of the unrolled loss weighs ttt_decay ** j
-    prompt_weight: float = 0.1  # weight of prompt positions (output positions weigh 1)
+    prompt_weight: float = 0.0  # weight of prompt positions (output weigh 1); 0: logits on output rows only
     rejected_weight: float = 1.0  # extra weight where the served draft was rejected (OSD)
     warmup_steps: int = 10  # linear learning-rate warm-up, then cosine decay to 10 %
     draft_vocab: int = 8192  # draft vocabulary of a new head: the log's most frequent target tokens
