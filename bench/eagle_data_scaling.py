@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=0.0, help="a training time budget per head instead (0: none)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--prompt-weight", type=float, default=TrainerConfig.prompt_weight,
+                    help="loss weight of prompt positions (output positions weigh 1)")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="bf16")
     ap.add_argument("--k", type=int, default=4)
@@ -106,10 +108,12 @@ def main() -> None:
         sets = {s: sets[s] for s in wanted}
     cfg = TrainerConfig(steps=args.steps, max_seconds=args.minutes * 60, batch_size=args.batch_size, lr=args.lr,
                         ce_weight=0.2, warmup_steps=20, draft_vocab=args.draft_vocab,
+                        prompt_weight=args.prompt_weight,
                         mixed_precision=args.mixed_precision)
     rows = []
     summary = {"target": target.model_id, "device": device, "data_seconds": round(gen_s, 1), "k": args.k,
-               "steps": args.steps, "minutes": args.minutes, "batch_size": args.batch_size,
+               "steps": args.steps, "minutes": args.minutes, "batch_size": args.batch_size, "lr": args.lr,
+               "prompt_weight": args.prompt_weight,
                "mixed_precision": args.mixed_precision, "rows": rows}
     for name, train in sets.items():
         head_dir = work / name.replace(" ", "_").replace("×", "x").replace("+", "and")
