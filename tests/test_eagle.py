@@ -342,8 +342,8 @@ def dense_ttt_loss(loss_fn, batch):
 def test_the_loss_on_weighted_rows_only_equals_the_loss_over_every_row(stories, stories_eagle_init_dir, eagle_traffic,
                                                                        prompt_weight):
     """TTTLoss computes the head's logits and the soft labels only where a row has weight (no
-    padding, no prompt rows at prompt_weight 0, no label outside the draft vocabulary): its loss
-    and gradients equal the dense formula's over every row."""
+    padding, no prompt rows at prompt_weight 0; a label outside the draft vocabulary weighs
+    nothing): its loss and gradients equal the dense formula's over every row."""
     from online.config import TrainerConfig
     from online.trainer.eagle import TTTLoss, make_examples
 
