@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -364,9 +364,6 @@ class SpeculativeEngine:
         """Verifies each running row's draft (rows 0..len(reqs)-1 of `fwd`) and crops its target
         cache to the accepted prefix."""
         width = max(len(d.tokens) for d in drafts) + 1
-        for d in drafts:  # a drafter may sit on another device than the target (replay's is the CPU)
-            if d.probs is not None:
-                d.probs = d.probs.to(fwd.logits.device)  # once: verify and alpha (_record) read them here
         rows = [VerifyRow(d.tokens, d.probs, r.params.temperature, r.params.top_p, r.generator)
                 for r, d in zip(reqs, drafts, strict=True)]
         checked = verify_batch(fwd.logits[: len(reqs), :width], rows, with_probs=self.config.measure_alpha)
@@ -472,7 +469,9 @@ class SpeculativeEngine:
         and its features wait on the request for the next call (the adaptive rule switches
         drafting off this way, so a drafter that does not pay costs nothing). A row that took its
         offer drafts its first k tokens; a row whose offer was asked for and not taken asks the
-        drafter's model alone (`propose_model`: the offer was weighed already)."""
+        drafter's model alone (`propose_model`: the offer was weighed already). A draft's
+        probabilities are on the target's device (a drafter may sit on another: replay's is the
+        CPU), for verify and alpha alike."""
         drafts = [Draft([], "none") for _ in reqs]
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, r in enumerate(reqs):
@@ -488,6 +487,8 @@ class SpeculativeEngine:
                 if len(d.tokens) > row.max_tokens:
                     raise RuntimeError(f"drafter {drafter!r} proposed {len(d.tokens)} tokens, more than "
                                        f"max_tokens={row.max_tokens}")
+                if d.probs is not None and d.probs.device != self.target.device:
+                    d = replace(d, probs=d.probs.to(self.target.device))
                 drafts[i] = d
         return drafts
 
