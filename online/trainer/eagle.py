@@ -245,11 +245,8 @@ class TTTLoss:
             rows = used[:, j : j + tj]  # rows with weight: the head's logits are computed for these only
             h, logits = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, rows)  # [B, Tj, d], [R, Vd]
             lq = torch.log_softmax(logits.float(), dim=-1)
-            if int(rows.sum()) == len(target_p):  # every weighted position (none among the first j): packed alike
-                p, ne = target_p, neg_entropy
-            else:
-                at = slot[:, j : j + tj][rows]
-                p, ne = target_p[at], neg_entropy[at]
+            at = slot[:, j : j + tj][rows]  # the packed soft labels of those rows
+            p, ne = target_p[at], neg_entropy[at]
             labels = self.draft_index[ids[:, j + 2 : j + 2 + tj][rows]]  # draft row of token t + j + 2
             wr = weights[:, j : j + tj][rows] * (labels >= 0)  # no label outside the draft vocabulary
             kl = ne - (p * lq).sum(-1)  # forward KL over the draft vocabulary
