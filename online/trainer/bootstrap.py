@@ -4,6 +4,8 @@ layers. Both are built once and cached."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -11,23 +13,50 @@ from pathlib import Path
 from online.config import Config, TrainerConfig
 
 WARM_START_PROMPTS = 96  # built-in prompts the target answers for an initial eagle head
+WARM_START_TOKENS = 48  # the length of each answer
+WARM_START_HELDOUT = 8  # answers kept out of training for the held-out acceptance it prints
+PROMPT_SEED = 99  # which built-in prompts (online.traffic.prompts.prompts_for)
+RECIPE_FILE = "warm_start.json"  # beside the cached head: the settings it was built with
+
+
+def warm_start_config(minutes: float) -> TrainerConfig:
+    """The trainer settings of the initial eagle head: `minutes` of training, the rest the trainer's
+    defaults but for a warm start's learning rate, CE mix and warmup."""
+    return TrainerConfig(steps=1_000_000, max_seconds=minutes * 60, batch_size=8, lr=1e-3, ce_weight=0.2,
+                         warmup_steps=20)
+
+
+def warm_start_recipe(domains: list[str], minutes: float) -> dict:
+    """What a cached initial head depends on: its prompts, their answers' length and every trainer
+    setting, so a head built before the trainer's defaults changed is built again, not reused."""
+    recipe = {"prompts": WARM_START_PROMPTS, "domains": domains, "prompt_seed": PROMPT_SEED,
+              "answer_tokens": WARM_START_TOKENS, "heldout": WARM_START_HELDOUT,
+              "trainer": dataclasses.asdict(warm_start_config(minutes))}
+    return json.loads(json.dumps(recipe))  # as it reads back from its file (tuples as lists)
 
 
 def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float, avoid_domain: str | None = None
                       ) -> Path:
     """An EAGLE-3 head for target `spec`, warm-started on WARM_START_PROMPTS built-in prompts of the
     traffic domains (but `avoid_domain`, so a demo shows the loop learning that one) for `minutes`
-    of training, cached under models.cache_dir/drafters."""
+    of training, cached under models.cache_dir/drafters with the recipe it was built with
+    (`warm_start_recipe`); a cached head of another recipe is built again in its place."""
     from online.traffic.prompts import DOMAINS, chat_prompts, prompts_for
     from online.trainer.warmstart import answer_prompts, warm_start
 
     domains = [d for d in sorted(DOMAINS) if d != avoid_domain]
     out = (Path(cfg.models.cache_dir).expanduser() / "drafters"
            / f"{Path(spec).name}-eagle-{'-'.join(domains)}-{WARM_START_PROMPTS}p-{minutes:g}min")
+    recipe = warm_start_recipe(domains, minutes)
     if (out / "config.json").is_file():
-        return out
+        cached = _read_recipe(out / RECIPE_FILE)
+        if cached == recipe:
+            return out
+        changed = _changed(cached, recipe) if cached is not None else ["no recipe file: built by an older version"]
+        print(f"the cached warm start {out} was built with other settings ({', '.join(changed)}); building it again",
+              flush=True)
     per = WARM_START_PROMPTS // len(domains)
-    texts = chat_prompts(target.tokenizer, [p for d in domains for p in prompts_for(d, per, seed=99)])
+    texts = chat_prompts(target.tokenizer, [p for d in domains for p in prompts_for(d, per, seed=PROMPT_SEED)])
     print(f"warm-starting an EAGLE-3 head for {spec} on {len(texts)} prompts ({', '.join(domains)}) for "
           f"{minutes:g} min of training into {out} (once) ...", flush=True)
     done = [0]
@@ -36,15 +65,36 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
         done[0] += n
         print(f"warm start: the target answered {done[0]}/{len(texts)} prompts", flush=True)
 
-    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], 48, progress=answered)
-    tcfg = TrainerConfig(steps=1_000_000, max_seconds=minutes * 60, batch_size=8, lr=1e-3, ce_weight=0.2,
-                         warmup_steps=20)
+    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], WARM_START_TOKENS,
+                            progress=answered)
     tmp = out.parent / f".{out.name}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    res = warm_start(target, traces[:-8], traces[-8:], tmp, tcfg, eval_every=0, version=f"{Path(spec).name}-eagle")
+    res = warm_start(target, traces[:-WARM_START_HELDOUT], traces[-WARM_START_HELDOUT:], tmp,
+                     warm_start_config(minutes), eval_every=0, version=f"{Path(spec).name}-eagle")
+    (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     print(f"warm start: {res.steps} steps, held-out mean acceptance length "
           f"{res.curve[-1].heldout_mean_acceptance_length:.2f}", flush=True)
+    return out
+
+
+def _read_recipe(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _changed(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The keys whose values differ between two recipes, dotted (`trainer.lr`)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
     return out
 
 

@@ -1,0 +1,65 @@
+"""The first champion of a fresh data directory: the warm-started eagle head is cached with the
+recipe it was built with, reused while that recipe holds and built again when it changes."""
+
+import json
+
+import pytest
+
+from online.config import Config
+from online.trainer import bootstrap
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Counts the warm starts initial_eagle_dir runs (real ones); the target answers its prompts once."""
+    from online.trainer import warmstart
+
+    runs, answers = [], []
+    real_start, real_answer = warmstart.warm_start, warmstart.answer_prompts
+
+    def counted(*args, **kwargs):
+        runs.append(args[4])
+        return real_start(*args, **kwargs)
+
+    def answered_once(*args, **kwargs):
+        if not answers:
+            answers.append(real_answer(*args, **kwargs))
+        return answers[0]
+
+    monkeypatch.setattr(warmstart, "warm_start", counted)
+    monkeypatch.setattr(warmstart, "answer_prompts", answered_once)
+    return runs
+
+
+def test_a_cached_warm_start_is_reused_only_while_its_recipe_holds(stories, tmp_path, built, capsys, monkeypatch):
+    cfg = Config()
+    cfg.models.cache_dir = str(tmp_path / "cache")
+    minutes = 0.004  # a quarter of a second of training: the cache, not the head, is under test
+    monkeypatch.setattr(bootstrap, "WARM_START_HELDOUT", 2)  # its replay at start and end is most of the time
+
+    out = bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes)
+    assert len(built) == 1 and built[0].max_seconds == pytest.approx(minutes * 60)
+    assert (out / "config.json").is_file()
+    recipe = json.loads((out / bootstrap.RECIPE_FILE).read_text())
+    assert recipe == bootstrap.warm_start_recipe(recipe["domains"], minutes)
+    assert recipe["trainer"]["prompt_weight"] == built[0].prompt_weight
+
+    assert bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes) == out
+    assert len(built) == 1  # reused
+
+    recipe["trainer"]["prompt_weight"] = 0.1  # as a head built before that default changed
+    (out / bootstrap.RECIPE_FILE).write_text(json.dumps(recipe))
+    capsys.readouterr()
+    assert bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes) == out
+    assert len(built) == 2
+    assert "other settings (trainer.prompt_weight)" in capsys.readouterr().out
+    assert json.loads((out / bootstrap.RECIPE_FILE).read_text()) == bootstrap.warm_start_recipe(recipe["domains"],
+                                                                                              minutes)
+    assert not list(out.parent.glob(".*-tmp"))
+
+    (out / bootstrap.RECIPE_FILE).unlink()  # a head cached by a version that wrote no recipe
+    capsys.readouterr()
+    bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes)
+    assert len(built) == 3
+    assert "no recipe file" in capsys.readouterr().out
+    assert (out / bootstrap.RECIPE_FILE).is_file()
