@@ -63,3 +63,17 @@ def test_a_cached_warm_start_is_reused_only_while_its_recipe_holds(stories, tmp_
     assert len(built) == 3
     assert "no recipe file" in capsys.readouterr().out
     assert (out / bootstrap.RECIPE_FILE).is_file()
+
+
+def test_the_warm_start_prompts_are_distinct_and_the_held_out_ones_span_the_domains():
+    from online.traffic.prompts import DOMAINS
+
+    domains = ["code", "instructions", "json"]  # 30, 30 and 80 built-in prompts: 96 need more than a third of json
+    prompts = bootstrap.warm_start_prompts(domains)
+    assert len(prompts) == bootstrap.WARM_START_PROMPTS == len(set(prompts))
+    domain_of = {p: d for d in domains for p in DOMAINS[d]}
+    counts = {d: sum(domain_of[p] == d for p in prompts) for d in domains}
+    assert counts == {"code": 30, "instructions": 30, "json": 36}
+    heldout = prompts[-bootstrap.WARM_START_HELDOUT :]
+    assert len({domain_of[p] for p in heldout}) >= 2
+    assert bootstrap.warm_start_prompts(domains) == prompts  # seeded

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from online.config import Config, TrainerConfig
 WARM_START_PROMPTS = 96  # built-in prompts the target answers for an initial eagle head
 WARM_START_TOKENS = 48  # the length of each answer
 WARM_START_HELDOUT = 8  # answers kept out of training for the held-out acceptance it prints
-PROMPT_SEED = 99  # which built-in prompts (online.traffic.prompts.prompts_for)
+PROMPT_SEED = 99  # which built-in prompts, in which order (warm_start_prompts)
 RECIPE_FILE = "warm_start.json"  # beside the cached head: the settings it was built with
 
 
@@ -26,10 +27,27 @@ def warm_start_config(minutes: float) -> TrainerConfig:
                          warmup_steps=20)
 
 
+def warm_start_prompts(domains: list[str]) -> list[str]:
+    """WARM_START_PROMPTS distinct built-in prompts of `domains` (as evenly as their lists allow),
+    in a seeded shuffled order, so the last WARM_START_HELDOUT (held out) span the domains and
+    repeat no training prompt."""
+    from online.traffic.prompts import DOMAINS
+
+    rng = random.Random(PROMPT_SEED)
+    pools = {d: rng.sample(DOMAINS[d], len(DOMAINS[d])) for d in domains}
+    out: list[str] = []
+    while len(out) < WARM_START_PROMPTS and any(pools.values()):
+        for d in domains:  # one from each domain in turn, while it has prompts left
+            if pools[d] and len(out) < WARM_START_PROMPTS:
+                out.append(pools[d].pop())
+    rng.shuffle(out)
+    return out
+
+
 def warm_start_recipe(domains: list[str], minutes: float) -> dict:
     """What a cached initial head depends on: its prompts, their answers' length and every trainer
     setting, so a head built before the trainer's defaults changed is built again, not reused."""
-    recipe = {"prompts": WARM_START_PROMPTS, "domains": domains, "prompt_seed": PROMPT_SEED,
+    recipe = {"prompts": WARM_START_PROMPTS, "distinct": True, "domains": domains, "prompt_seed": PROMPT_SEED,
               "answer_tokens": WARM_START_TOKENS, "heldout": WARM_START_HELDOUT,
               "trainer": dataclasses.asdict(warm_start_config(minutes))}
     return json.loads(json.dumps(recipe))  # as it reads back from its file (tuples as lists)
@@ -41,7 +59,7 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
     traffic domains (but `avoid_domain`, so a demo shows the loop learning that one) for `minutes`
     of training, cached under models.cache_dir/drafters with the recipe it was built with
     (`warm_start_recipe`); a cached head of another recipe is built again in its place."""
-    from online.traffic.prompts import DOMAINS, chat_prompts, prompts_for
+    from online.traffic.prompts import DOMAINS, chat_prompts
     from online.trainer.warmstart import answer_prompts, warm_start
 
     domains = [d for d in sorted(DOMAINS) if d != avoid_domain]
@@ -55,8 +73,7 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
         changed = _changed(cached, recipe) if cached is not None else ["no recipe file: built by an older version"]
         print(f"the cached warm start {out} was built with other settings ({', '.join(changed)}); building it again",
               flush=True)
-    per = WARM_START_PROMPTS // len(domains)
-    texts = chat_prompts(target.tokenizer, [p for d in domains for p in prompts_for(d, per, seed=PROMPT_SEED)])
+    texts = chat_prompts(target.tokenizer, warm_start_prompts(domains))
     print(f"warm-starting an EAGLE-3 head for {spec} on {len(texts)} prompts ({', '.join(domains)}) for "
           f"{minutes:g} min of training into {out} (once) ...", flush=True)
     done = [0]
