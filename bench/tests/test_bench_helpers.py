@@ -285,3 +285,13 @@ def test_the_scaling_bench_reads_answers_made_elsewhere_only_with_the_same_setti
         make_data(None, args, 4, path, made_elsewhere=True)
     with pytest.raises(SystemExit, match="no such file"):
         make_data(None, args, 2, tmp_path / "none.gz", made_elsewhere=True)
+
+
+def test_a_warm_start_variant_names_trainer_settings_typed_as_their_defaults():
+    from bench.warm_start_budget import parse_variant
+
+    assert parse_variant("fast=lr:2e-3,mixed_precision:bf16,steps:40,lora:true") == (
+        "fast", {"lr": 2e-3, "mixed_precision": "bf16", "steps": 40, "lora": True})
+    for bad in ("nolist", "x=learning_rate:1", "=lr:1"):
+        with pytest.raises(SystemExit):
+            parse_variant(bad)
