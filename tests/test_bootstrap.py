@@ -43,6 +43,7 @@ def test_a_cached_warm_start_is_reused_only_while_its_recipe_holds(stories, tmp_
     recipe = json.loads((out / bootstrap.RECIPE_FILE).read_text())
     assert recipe == bootstrap.warm_start_recipe(recipe["domains"], minutes)
     assert recipe["trainer"]["prompt_weight"] == built[0].prompt_weight
+    assert json.loads((out / "warm_start.json").read_text())["steps"] >= 1  # the warm start's own curve, kept
 
     assert bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes) == out
     assert len(built) == 1  # reused

@@ -17,7 +17,7 @@ WARM_START_PROMPTS = 96  # built-in prompts the target answers for an initial ea
 WARM_START_TOKENS = 48  # the length of each answer
 WARM_START_HELDOUT = 8  # answers kept out of training for the held-out acceptance it prints
 PROMPT_SEED = 99  # which built-in prompts, in which order (warm_start_prompts)
-RECIPE_FILE = "warm_start.json"  # beside the cached head: the settings it was built with
+RECIPE_FILE = "warm_start_recipe.json"  # beside the cached head (and its warm_start.json curve): its recipe
 
 
 def warm_start_config(minutes: float) -> TrainerConfig:
