@@ -25,7 +25,7 @@ import time
 
 from bench.traffic import THREADS_HELP, start_run
 from bench.train_eagle import replay_heldout
-from online.config import TrainerConfig
+from online.config import ConfigError, TrainerConfig, _build
 from online.traffic.prompts import DOMAINS, chat_prompts
 from online.trainer import bootstrap
 from online.trainer.warmstart import answer_prompts, warm_start
@@ -33,19 +33,17 @@ from runtime.loader import load_model
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """`name=key:value,...` -> (name, TrainerConfig overrides), values typed as the field's default."""
+    """`name=key:value,...` -> (name, TrainerConfig overrides), keys checked and values typed as the
+    config file's [trainer] section's are (`online.config`)."""
     name, _, body = text.partition("=")
     if not name or not body:
         raise SystemExit(f"--variant {text!r}: give name=key:value[,key:value]")
-    fields = {f.name: f for f in dataclasses.fields(TrainerConfig)}
-    out = {}
-    for item in body.split(","):
-        key, _, value = item.partition(":")
-        if key not in fields:
-            raise SystemExit(f"--variant {text!r}: {key!r} is no trainer setting (TrainerConfig)")
-        kind = type(getattr(TrainerConfig(), key))
-        out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    return name, out
+    raw = dict(item.partition(":")[::2] for item in body.split(","))
+    try:
+        typed = _build(TrainerConfig, raw, "trainer")
+    except ConfigError as e:
+        raise SystemExit(f"--variant {text!r}: {e}") from None
+    return name, {key: getattr(typed, key) for key in raw}
 
 
 def main() -> None:
@@ -65,15 +63,12 @@ def main() -> None:
     target = load_model(args.target)
 
     domains = [d for d in sorted(DOMAINS) if d != args.demo_domain]
-    texts = chat_prompts(target.tokenizer, bootstrap.warm_start_prompts(domains))
     pool = DOMAINS[args.demo_domain]
     demo = chat_prompts(target.tokenizer, random.Random(12345).sample(pool, min(args.demo_prompts, len(pool))))
     t0 = time.perf_counter()
-    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts + demo], bootstrap.WARM_START_TOKENS)
-    print(f"answers: {len(traces)} in {time.perf_counter() - t0:.0f}s", flush=True)
-    own, demo_traces = traces[: len(texts)], traces[len(texts) :]
-    n_held = bootstrap.WARM_START_HELDOUT
-    train, heldout = own[:-n_held], own[-n_held:]
+    train, heldout = bootstrap.warm_start_answers(target, domains)  # as `up` makes them
+    demo_traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in demo], bootstrap.WARM_START_TOKENS)
+    print(f"answers: {len(train) + len(heldout) + len(demo_traces)} in {time.perf_counter() - t0:.0f}s", flush=True)
 
     rows = []
     for rep in range(args.repeats):

@@ -44,6 +44,28 @@ def warm_start_prompts(domains: list[str]) -> list[str]:
     return out
 
 
+def warm_start_answers(target: object, domains: list[str], progress: Callable[[int, int], None] | None = None
+                       ) -> tuple[list, list]:
+    """The warm start's data: the target's greedy answers (WARM_START_TOKENS each) to
+    `warm_start_prompts(domains)` in its chat template, as (train, held out: the last
+    WARM_START_HELDOUT). `progress(done, total)` runs as chunks of prompts are answered."""
+    from online.traffic.prompts import chat_prompts
+    from online.trainer.warmstart import answer_prompts
+
+    texts = chat_prompts(target.tokenizer, warm_start_prompts(domains))
+    done = 0
+
+    def answered(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, len(texts))
+
+    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], WARM_START_TOKENS,
+                            progress=answered)
+    return traces[:-WARM_START_HELDOUT], traces[-WARM_START_HELDOUT:]
+
+
 def warm_start_recipe(domains: list[str], minutes: float) -> dict:
     """What a cached initial head depends on: its prompts, their answers' length and every trainer
     setting, so a head built before the trainer's defaults changed is built again, not reused."""
@@ -59,8 +81,8 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
     traffic domains (but `avoid_domain`, so a demo shows the loop learning that one) for `minutes`
     of training, cached under models.cache_dir/drafters with the recipe it was built with
     (`warm_start_recipe`); a cached head of another recipe is built again in its place."""
-    from online.traffic.prompts import DOMAINS, chat_prompts
-    from online.trainer.warmstart import answer_prompts, warm_start
+    from online.traffic.prompts import DOMAINS
+    from online.trainer.warmstart import warm_start
 
     domains = [d for d in sorted(DOMAINS) if d != avoid_domain]
     out = (Path(cfg.models.cache_dir).expanduser() / "drafters"
@@ -73,21 +95,17 @@ def initial_eagle_dir(cfg: Config, spec: str, target: object, *, minutes: float,
         changed = _changed(cached, recipe) if cached is not None else ["no recipe file: built by an older version"]
         print(f"the cached warm start {out} was built with other settings ({', '.join(changed)}); building it again",
               flush=True)
-    texts = chat_prompts(target.tokenizer, warm_start_prompts(domains))
-    print(f"warm-starting an EAGLE-3 head for {spec} on {len(texts)} prompts ({', '.join(domains)}) for "
+    print(f"warm-starting an EAGLE-3 head for {spec} on {WARM_START_PROMPTS} prompts ({', '.join(domains)}) for "
           f"{minutes:g} min of training into {out} (once) ...", flush=True)
-    done = [0]
 
-    def answered(n: int) -> None:
-        done[0] += n
-        print(f"warm start: the target answered {done[0]}/{len(texts)} prompts", flush=True)
+    def answered(done: int, total: int) -> None:
+        print(f"warm start: the target answered {done}/{total} prompts", flush=True)
 
-    traces = answer_prompts(target, [target.tokenizer(t).input_ids for t in texts], WARM_START_TOKENS,
-                            progress=answered)
+    train, heldout = warm_start_answers(target, domains, progress=answered)
     tmp = out.parent / f".{out.name}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    res = warm_start(target, traces[:-WARM_START_HELDOUT], traces[-WARM_START_HELDOUT:], tmp,
-                     warm_start_config(minutes), eval_every=0, version=f"{Path(spec).name}-eagle")
+    res = warm_start(target, train, heldout, tmp, warm_start_config(minutes), eval_every=0,
+                     version=f"{Path(spec).name}-eagle")
     (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
