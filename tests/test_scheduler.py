@@ -16,6 +16,7 @@ from online.registry import LocalDrafter, LoggedRound
 from online.trainer.common import NotEnoughData
 from online.trainer.round import TraceWindow
 from online.trainer.scheduler import TrainerService
+from runtime.errors import ModelLoadError
 
 
 class FakeStore:
@@ -240,3 +241,23 @@ def test_drain_abandons_a_long_round_before_it_registers(tmp_path):
     t.join(5)
     assert outcomes[0].status == "stopped" and reg.logged == []
     assert not svc.running
+
+
+def test_rounds_train_where_the_target_is_else_on_the_configured_device(tmp_path):
+    """A model drafter's round trains on the target's device; a daemon without a target trains on
+    [models] device (`livedraft daemon --device` sets it), which is checked when the service starts."""
+    seen = []
+
+    def round_fn(window, champion_dir, work, cfg, **kw):
+        seen.append(kw["device"])
+        return fake_result()
+
+    cfg = Config(data_dir=str(tmp_path))
+    cfg.models.device = "cpu"
+    assert TrainerService(cfg, FakeStore(50), FakeRegistry(tmp_path), round_fn=round_fn).run_round_once().ok
+    target = SimpleNamespace(model=SimpleNamespace(device="cuda:1"), model_id="t")
+    assert TrainerService(cfg, FakeStore(50), FakeRegistry(tmp_path), target, round_fn=round_fn).run_round_once().ok
+    assert seen == ["cpu", "cuda:1"]
+    cfg.models.device = "tpu"
+    with pytest.raises(ModelLoadError, match="choose cpu, cuda"):
+        TrainerService(cfg, FakeStore(50), FakeRegistry(tmp_path), round_fn=round_fn)

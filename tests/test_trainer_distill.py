@@ -13,6 +13,7 @@ from online.config import TrainerConfig
 from online.trainer.common import NotEnoughData, TrainingError
 from online.trainer.distill import distill, prepare_examples
 from runtime.drafters.factory import load_model_drafter
+from runtime.errors import ModelLoadError
 from runtime.loader import DRAFTER_META
 from runtime.trace import RequestTrace, StepRecord
 
@@ -143,6 +144,22 @@ def test_errors_say_what_to_do(drafter_dir, traffic, tmp_path):
     (tmp_path / "full" / "f").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
         distill(drafter_dir, traffic, tmp_path / "full", TrainerConfig(**FAST))
+    with pytest.raises(ModelLoadError, match="choose cpu, cuda"):
+        distill(drafter_dir, traffic, tmp_path / "y", TrainerConfig(**FAST), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            distill(drafter_dir, traffic, tmp_path / "y", TrainerConfig(**FAST), device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_drafter_trains_on_cuda_as_on_the_cpu(drafter_dir, traffic, tmp_path):
+    """The daemon's model-drafter rounds on a GPU host: the batches follow the drafter onto the device,
+    and the candidate it writes loads and learned as on the CPU."""
+    cpu = distill(drafter_dir, traffic, tmp_path / "cpu", TrainerConfig(**FAST))
+    gpu = distill(drafter_dir, traffic, tmp_path / "gpu", TrainerConfig(**FAST), device="cuda")
+    assert gpu.steps == cpu.steps and gpu.losses[-1] < gpu.losses[0]
+    assert gpu.losses[0] == pytest.approx(cpu.losses[0], rel=1e-3)
+    assert weights(gpu.out_dir).keys() == weights(cpu.out_dir).keys()
 
 
 def test_trainer_config_reads_from_file_and_environment(tmp_path):

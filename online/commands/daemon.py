@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from online.daemon import Daemon
 
     cfg = apply_data_dir(load_config(args.config), args.data_dir)
+    if args.device:  # the target's device, and without a target where model drafters' rounds train
+        cfg.models.device = args.device
     cfg.data_path.mkdir(parents=True, exist_ok=True)
     target = None
     if args.target:

@@ -35,7 +35,7 @@ from online.config import TrainerConfig
 from online.trainer.common import DistillResult, NotEnoughData, check_config, save_drafter
 from online.trainer.losses import soft_label_loss, token_cross_entropy
 from runtime.drafters.crossvocab import Codec, aligned_segments
-from runtime.loader import load_model, read_drafter_meta
+from runtime.loader import load_model, read_drafter_meta, resolve_device
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -110,15 +110,17 @@ def distill_crossvocab(
     *,
     version: str | None = None,
     provenance: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> DistillResult:
-    """Trains a copy of the cross-vocabulary drafter at `drafter_dir` on `traces`; writes the candidate
-    to `out_dir` (kind "crossvocab"). Blocks for the run. Raises NotEnoughData, TrainingError,
-    ModelLoadError, FileExistsError."""
+    """Trains a copy of the cross-vocabulary drafter at `drafter_dir` on `traces`, on `device` (cpu,
+    cuda, cuda:N or auto); writes the candidate to `out_dir` (kind "crossvocab"). Blocks for the run.
+    Raises NotEnoughData, TrainingError, ModelLoadError (also for an unknown or absent device),
+    FileExistsError."""
     check_config(cfg)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"candidate directory {out} is not empty: give a new or empty directory")
-    loaded = load_model(drafter_dir)
+    loaded = load_model(drafter_dir, device=resolve_device(device))
     target, drafter = Codec(target_tokenizer), Codec(loaded.tokenizer)
     vmap = VocabMap(target, drafter)
     examples = [e for t in traces if t.output_ids
@@ -172,7 +174,8 @@ def _losses(model: Any, batch: list[_Example], cfg: TrainerConfig) -> tuple[torc
     for b, e in enumerate(batch):
         ids[b, : len(e.ids)] = torch.tensor(e.ids)
         mask[b, : len(e.ids)] = 1
-    logits = model(input_ids=ids, attention_mask=mask).logits  # [B, T, V_drafter]
+    dev = model.device
+    logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits  # [B, T, V_drafter]
     rows, labels, weights = [], [], []
     kd_rows, kd_ids, kd_lps = [], [], []
     for b, e in enumerate(batch):
@@ -184,16 +187,17 @@ def _losses(model: Any, batch: list[_Example], cfg: TrainerConfig) -> tuple[torc
         kd_rows += [(b, r) for r in e.kd_rows]
         kd_ids += e.kd_ids
         kd_lps += e.kd_logprobs
-    idx = torch.tensor(rows, dtype=torch.long)
-    ce_each = torch.nn.functional.cross_entropy(logits[idx[:, 0], idx[:, 1]].float(), torch.tensor(labels),
-                                                reduction="none")
-    w = torch.tensor(weights)
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    ce_each = torch.nn.functional.cross_entropy(logits[idx[:, 0], idx[:, 1]].float(),
+                                                torch.tensor(labels, device=dev), reduction="none")
+    w = torch.tensor(weights, device=dev)
     ce = (w * ce_each).sum() / w.sum()
     if kd_rows:
         k = min(len(x) for x in kd_ids)
-        kidx = torch.tensor(kd_rows, dtype=torch.long)
-        kd = soft_label_loss(cfg.loss, logits[kidx[:, 0], kidx[:, 1]], torch.tensor([x[:k] for x in kd_ids]),
-                             torch.tensor([x[:k] for x in kd_lps], dtype=torch.float32), beta=cfg.jsd_beta)
+        kidx = torch.tensor(kd_rows, dtype=torch.long, device=dev)
+        kd = soft_label_loss(cfg.loss, logits[kidx[:, 0], kidx[:, 1]],
+                             torch.tensor([x[:k] for x in kd_ids], device=dev),
+                             torch.tensor([x[:k] for x in kd_lps], dtype=torch.float32, device=dev), beta=cfg.jsd_beta)
     else:
-        kd = token_cross_entropy(logits[:0, 0], torch.zeros(0, dtype=torch.long))
+        kd = token_cross_entropy(logits[:0, 0], torch.zeros(0, dtype=torch.long, device=dev))
     return kd, ce

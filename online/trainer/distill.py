@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from online.config import TrainerConfig
 from online.trainer.common import DistillResult, NotEnoughData, TrainingError, check_config, save_drafter
 from online.trainer.losses import soft_label_loss, token_cross_entropy
-from runtime.loader import MODEL_LOAD_LOCK, load_model, read_drafter_meta
+from runtime.loader import MODEL_LOAD_LOCK, load_model, read_drafter_meta, resolve_device
 from runtime.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,14 @@ class _Batch:
     kd_ids: torch.Tensor  # [Nk, K]
     kd_logprobs: torch.Tensor  # [Nk, K]
 
+    def to(self, device: torch.device) -> _Batch:
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=True)
+
+        return _Batch(move(self.input_ids), move(self.attention_mask), (move(self.ce_index[0]), move(self.ce_index[1])),
+                      move(self.ce_labels), (move(self.kd_index[0]), move(self.kd_index[1])), move(self.kd_ids),
+                      move(self.kd_logprobs))
+
 
 def distill(
     drafter_dir: str | os.PathLike,
@@ -76,19 +84,22 @@ def distill(
     *,
     version: str | None = None,
     provenance: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> DistillResult:
-    """Trains a copy of the drafter at `drafter_dir` on `traces`; writes the candidate to `out_dir`.
+    """Trains a copy of the drafter at `drafter_dir` on `traces`, on `device` (cpu, cuda, cuda:N or
+    auto); writes the candidate to `out_dir`.
 
     Blocks for the whole training run (bounded by `cfg.steps` and `cfg.max_seconds`).
     `provenance` (e.g. the data window) is stored in the candidate's livedraft_drafter.json.
     Raises TrainingError on a bad config, NotEnoughData when no trace is usable, ModelLoadError when the
-    drafter cannot be loaded, FileExistsError when `out_dir` already holds files.
+    drafter cannot be loaded or the device is unknown or absent, FileExistsError when `out_dir` already
+    holds files.
     """
     check_config(cfg)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"candidate directory {out} is not empty: give a new or empty directory")
-    loaded = load_model(drafter_dir)
+    loaded = load_model(drafter_dir, device=resolve_device(device))
     parent_meta = read_drafter_meta(loaded.path)
     examples, skipped = prepare_examples(traces, loaded.vocab_size, loaded.max_context)
     if not examples:
@@ -149,11 +160,12 @@ def _train(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = _batch_order(len(examples), cfg.batch_size, cfg.seed)
+    device = params[0].device
     model.train()
     losses, kds, ces = [], [], []
     t0 = time.perf_counter()
     for step in range(cfg.steps):
-        batch = _collate([examples[i] for i in next(batches)], pad_id)
+        batch = _collate([examples[i] for i in next(batches)], pad_id).to(device)
         kd, ce = _losses(model, batch, cfg)
         loss = kd + cfg.ce_weight * ce
         opt.zero_grad(set_to_none=True)

@@ -95,10 +95,13 @@ def run_round(
     target: LoadedModel | None = None,
     parent_dir: str | os.PathLike | None = None,
     parent_version: str | None = None,
+    device: str | None = None,
 ) -> RoundResult:
     """Trains a candidate into `work_dir/<candidate_version>` and gates it against the champion.
     The candidate trains from `parent_dir` (`trainer.lineage = "trainee"`: the last round's
     candidate), by default from the champion; it must be a drafter of the champion's kind.
+    A model drafter trains on `device` (default: the target's, else the CPU); an eagle head on the
+    target's.
 
     Blocks for training plus two replays. For a model drafter `target` (optional) only adds the
     vocabulary check; an eagle (Eagle3) champion needs it: one teacher-forced target pass per
@@ -137,7 +140,8 @@ def run_round(
     log.info("round: training %s from %s (%s trainer, %d steps)", candidate_version, parent_version,
              kind.trainer, cfg.steps)
     train = TRAINERS[kind.trainer]
-    training = train(parent_dir, window.train, out, cfg, target, passes, candidate_version, provenance)
+    device = device or (str(target.model.device) if target is not None else "cpu")
+    training = train(parent_dir, window.train, out, cfg, target, passes, candidate_version, provenance, device)
     cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)
     log.info("round: %s", reason)
@@ -150,22 +154,24 @@ Trainer = Callable[..., DistillResult]
 
 
 def _eagle(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: TrainerConfig, target: LoadedModel | None,
-           passes: dict[str, TargetPass] | None, version: str, provenance: dict) -> DistillResult:
+           passes: dict[str, TargetPass] | None, version: str, provenance: dict, device: str) -> DistillResult:
+    # the head trains where the target's features are: on the target's device
     return distill_eagle(champion, traces, out, cfg, target, passes=passes, version=version, provenance=provenance)
 
 
 def _crossvocab(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: TrainerConfig,
                 target: LoadedModel | None, passes: dict[str, TargetPass] | None, version: str,
-                provenance: dict) -> DistillResult:
+                provenance: dict, device: str) -> DistillResult:
     if target is None or target.tokenizer is None:
         raise TrainingError(f"the champion {champion} drafts across vocabularies: its rounds need the "
                             "target's tokenizer (run the trainer with the target: `livedraft daemon --target T`)")
-    return distill_crossvocab(champion, traces, out, cfg, target.tokenizer, version=version, provenance=provenance)
+    return distill_crossvocab(champion, traces, out, cfg, target.tokenizer, version=version, provenance=provenance,
+                              device=device)
 
 
 def _distill(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: TrainerConfig, target: LoadedModel | None,
-             passes: dict[str, TargetPass] | None, version: str, provenance: dict) -> DistillResult:
-    return distill(champion, traces, out, cfg, version=version, provenance=provenance)
+             passes: dict[str, TargetPass] | None, version: str, provenance: dict, device: str) -> DistillResult:
+    return distill(champion, traces, out, cfg, version=version, provenance=provenance, device=device)
 
 
 # DrafterKind.trainer -> the trainer (runtime/drafter_kinds.py names which one learns each kind)

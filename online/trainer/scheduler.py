@@ -32,7 +32,7 @@ from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
 from online.trainer.round import RoundResult, TraceWindow, run_round, trains_on
 from runtime.errors import LivedraftError
-from runtime.loader import LoadedModel
+from runtime.loader import LoadedModel, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class TrainerService:
         round_fn: RoundFn = run_round,
     ) -> None:
         self.cfg, self.store, self.registry, self.target = cfg, store, registry, target
+        # where a model drafter's rounds train: the target's device, else [models] device (auto: CUDA when present)
+        self.device = str(target.model.device) if target is not None else resolve_device(cfg.models.device)
         self.round_fn = round_fn  # tests swap in fakes; the signature is run_round's
         d = cfg.daemon
         if not 1 <= d.holdout_traces < d.window_traces:
@@ -147,7 +149,8 @@ class TrainerService:
             try:
                 result = self.round_fn(window, champion.path, work, self.cfg.trainer,
                                        champion_version=str(champion.version), target=self.target,
-                                       parent_dir=parent.path, parent_version=str(parent.version))
+                                       parent_dir=parent.path, parent_version=str(parent.version),
+                                       device=self.device)
                 if self._stopping.is_set():  # the safe point: nothing registered yet, traces stay in the store
                     return done("stopped", "shutting down: round abandoned before registering")
                 now = self.registry.champion_version()
