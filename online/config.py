@@ -57,7 +57,9 @@ class StreamConfig:
 @dataclass
 class ModelsConfig:
     cache_dir: str = "~/.cache/livedraft/models"  # GGUF files are converted to safetensors here
-    device: str = "auto"  # cpu, cuda, cuda:N or auto (CUDA when available)
+    # cpu, cuda, cuda:N or auto (CUDA when available): the target's, and a model drafter's training rounds' in
+    # a daemon without a target (with one they train on the target's device)
+    device: str = "auto"
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16
 
 
