@@ -67,14 +67,6 @@ class _Batch:
     kd_ids: torch.Tensor  # [Nk, K]
     kd_logprobs: torch.Tensor  # [Nk, K]
 
-    def to(self, device: torch.device) -> _Batch:
-        def move(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device, non_blocking=True)
-
-        return _Batch(move(self.input_ids), move(self.attention_mask), (move(self.ce_index[0]), move(self.ce_index[1])),
-                      move(self.ce_labels), (move(self.kd_index[0]), move(self.kd_index[1])), move(self.kd_ids),
-                      move(self.kd_logprobs))
-
 
 def distill(
     drafter_dir: str | os.PathLike,
@@ -165,7 +157,7 @@ def _train(
     losses, kds, ces = [], [], []
     t0 = time.perf_counter()
     for step in range(cfg.steps):
-        batch = _collate([examples[i] for i in next(batches)], pad_id).to(device)
+        batch = _collate([examples[i] for i in next(batches)], pad_id, device)
         kd, ce = _losses(model, batch, cfg)
         loss = kd + cfg.ce_weight * ce
         opt.zero_grad(set_to_none=True)
@@ -201,7 +193,8 @@ def _batch_order(n: int, batch_size: int, seed: int):  # noqa: ANN202 - a privat
             yield perm[i : i + batch_size]
 
 
-def _collate(examples: list[_Example], pad_id: int) -> _Batch:
+def _collate(examples: list[_Example], pad_id: int, device: torch.device | str = "cpu") -> _Batch:
+    """The batch's tensors, on `device` (the padded ids and mask are filled on the CPU, then moved)."""
     width = max(len(e.ids) for e in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -219,12 +212,14 @@ def _collate(examples: list[_Example], pad_id: int) -> _Batch:
     k = min((len(ids) for e in examples for ids in e.soft_ids), default=0)
     kd_ids = [ids[:k] for e in examples for ids in e.soft_ids]
     kd_lps = [lps[:k] for e in examples for lps in e.soft_logprobs]
+
+    def long(x: list) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
     return _Batch(
-        input_ids, mask, (torch.tensor(ce_b, dtype=torch.long), torch.tensor(ce_r, dtype=torch.long)),
-        torch.tensor(ce_y, dtype=torch.long),
-        (torch.tensor(kd_b, dtype=torch.long), torch.tensor(kd_r, dtype=torch.long)),
-        torch.tensor(kd_ids, dtype=torch.long).reshape(len(kd_b), k),
-        torch.tensor(kd_lps, dtype=torch.float32).reshape(len(kd_b), k),
+        input_ids.to(device), mask.to(device), (long(ce_b), long(ce_r)), long(ce_y), (long(kd_b), long(kd_r)),
+        long(kd_ids).reshape(len(kd_b), k),
+        torch.tensor(kd_lps, dtype=torch.float32, device=device).reshape(len(kd_b), k),
     )
 
 
