@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from bench.traffic import Request, chat_ids, prompt_pool, segments
+from bench.traffic import Request, chat_ids, prompt_pool, segments, served_tail
 from online.config import LINEAGES, TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
@@ -135,8 +135,9 @@ class EagleRun:
 
 
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> EagleRun:
-    """Frozen and online-adapted head over the stream. With `args.serve_prompts`, the version serving
-    each segment's last request is copied to `<out>_served/<domain>` (for the served tokens/s)."""
+    """Frozen and online-adapted head over the stream. With `args.serve_prompts` (n), the version serving
+    each segment's n-th last request is copied to `<out>_served/<domain>`, to be timed on the segment's
+    last n requests (bench.traffic.served_tail: prompts it never trained on)."""
     init_dir = Path(args.drafter) if args.drafter else initial_head(args, target, out.parent)
     logged = [as_trace(i, r) for i, r in enumerate(traffic)]
     t0 = time.perf_counter()
@@ -154,8 +155,9 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
     served: list[RequestTrace] = []
     run = EagleRun(frozen, [], [], 0.0, 0, init_dir, logged, passes)
-    # a segment's last request -> its domain
-    ends = {b - 1: d for d, (_, b) in segments(traffic, args.domains.split(",")).items()} if args.serve_prompts else {}
+    # the first request a segment's served version is timed on -> its domain
+    ends = ({s: d for d, (s, _) in served_tail(segments(traffic, args.domains.split(",")), args.serve_prompts).items()}
+            if args.serve_prompts else {})
     for r0 in range(0, len(logged), args.every):
         block = replay(champion_dir, logged[r0 : r0 + args.every], version).traces
         served += block

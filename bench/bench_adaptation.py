@@ -60,6 +60,7 @@ from bench.traffic import (
     prompt_pool,
     request_stats,
     segments,
+    served_tail,
     served_trace,
     simulate_steps,
     start_run,
@@ -167,8 +168,9 @@ def main() -> None:
                          "distillations, each as many steps as all rounds together: longer than the online run), "
                          "both references (three), or none")
     ap.add_argument("--serve-prompts", type=int, default=0,
-                    help="eagle: time the version serving each segment's last request against the target alone "
-                         "on our engine, on this many prompts of the segment's last third (0: skip)")
+                    help="eagle: time, against the target alone on our engine, the version that served each "
+                         "segment's N-th last request, on the segment's last N requests: prompts neither it nor a "
+                         "round before it trained on (0: skip)")
     ap.add_argument("--serve-reps", type=int, default=3, help="repetitions of --serve-prompts")
     ap.add_argument("--init-minutes", type=float, default=5.0, help="eagle: offline warm start of the initial head")
     ap.add_argument("--init-requests", type=int, default=200, help="eagle: topics prompts of that warm start")
@@ -253,10 +255,10 @@ def main() -> None:
 
 
 def served_speed(args, target, traffic: list[Request], versions: dict[str, Path]) -> list[dict]:
-    """Tokens/s of the version serving each segment's last request against the target alone, on our
-    engine, side by side per prompt (bench.bench_do_no_harm.run_case: the adaptive rule at k <= 8,
-    `--serve-reps` repetitions, alternating order), over `--serve-prompts` prompts spread over the
-    segment's last third."""
+    """Tokens/s of a served version against the target alone, on our engine, side by side per prompt
+    (bench.bench_do_no_harm.run_case: the adaptive rule at k <= 8, `--serve-reps` repetitions, alternating
+    order): per segment, the version that served its `--serve-prompts`-th last request, on the segment's
+    last `--serve-prompts` requests (served_tail), none of which it or a round before it trained on."""
     from bench.bench_do_no_harm import row, run_case, warm
     from runtime.drafters.factory import load_feature_drafter
     from runtime.drafters.none import NoDrafter
@@ -267,14 +269,12 @@ def served_speed(args, target, traffic: list[Request], versions: dict[str, Path]
     opts = argparse.Namespace(k_max=8, probe_every=DraftLengthConfig.probe_every, max_new_tokens=args.max_new_tokens,
                               reps=args.serve_reps, cold=False)
     results = []
-    for domain, (a, b) in segments(traffic, args.domains.split(",")).items():
+    for domain, (a, b) in served_tail(segments(traffic, args.domains.split(",")), args.serve_prompts).items():
         if domain not in versions:
             continue
-        tail = traffic[last_third(a, b)]
-        n = min(args.serve_prompts, len(tail))
-        prompts = [tail[(i * len(tail)) // n].prompt_ids for i in range(n)]
-        r = run_case(f"{domain}: the version serving request {b}", lambda p=versions[domain]: load_feature_drafter(
-            p, target), target, base, prompts, opts)
+        prompts = [r.prompt_ids for r in traffic[a:b]]
+        r = run_case(f"{domain}: the version serving request {a + 1}, on requests {a + 1}-{b}",
+                     lambda p=versions[domain]: load_feature_drafter(p, target), target, base, prompts, opts)
         log.info("served %s", row(r))
         results.append(r)
     return results

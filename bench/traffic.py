@@ -209,6 +209,14 @@ def segments(traffic: list[Request], domains: list[str]) -> dict[str, tuple[int,
     return bounds
 
 
+def served_tail(bounds: dict[str, tuple[int, int]], n: int) -> dict[str, tuple[int, int]]:
+    """Per segment [a, b), the requests [b - n, b) on which an online bench times the version that
+    served request b - n (n at most the segment's length). A round runs after a block and its candidate
+    serves from the next block on, so that version and every round before it trained and were gated
+    on requests before b - n only: none of the timed prompts."""
+    return {d: (max(a, b - n), b) for d, (a, b) in bounds.items()}
+
+
 def cached_requests(cache: Path, key: dict, make: Callable[[], list[Request]]) -> list[Request]:
     """The requests stored in `cache` under `key`; when the file is missing or its key differs,
     `make()`'s, stored there first."""

@@ -109,6 +109,13 @@ def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_perce
     assert recovery(served([0] * 30 + [4] * 10), 0, 40, 4) == 33
 
 
+def test_a_served_version_is_timed_on_its_segments_last_requests():
+    from bench.traffic import served_tail
+
+    bounds = {"stories": (0, 300), "code": (300, 600), "short": (600, 605)}
+    assert served_tail(bounds, 8) == {"stories": (292, 300), "code": (592, 600), "short": (600, 605)}
+
+
 def test_cross_fitting_scores_every_item_with_a_model_that_never_trained_on_it():
     from bench.adaptation_eagle import cross_fit
 
