@@ -1,6 +1,7 @@
 """The first champion of a fresh data directory: the warm-started eagle head is cached with the
 recipe it was built with, reused while that recipe holds and built again when it changes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -47,6 +48,13 @@ def test_a_cached_warm_start_is_reused_only_while_its_recipe_holds(stories, tmp_
 
     assert bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes) == out
     assert len(built) == 1  # reused
+    assert not set(bootstrap.ROUND_ONLY) & set(recipe["trainer"])
+    real_config = bootstrap.warm_start_config
+    with monkeypatch.context() as m:  # the rounds' gate and lineage changed: the head it trains is the same
+        m.setattr(bootstrap, "warm_start_config", lambda minutes: dataclasses.replace(
+            real_config(minutes), promote_margin=0.2, lineage="champion", replay_k=8, holdout_fraction=0.5))
+        assert bootstrap.initial_eagle_dir(cfg, "stories", stories, minutes=minutes) == out
+    assert len(built) == 1  # still reused
 
     recipe["trainer"]["prompt_weight"] = 0.1  # as a head built before that default changed
     (out / bootstrap.RECIPE_FILE).write_text(json.dumps(recipe))

@@ -66,12 +66,17 @@ def warm_start_answers(target: object, domains: list[str], progress: Callable[[i
     return traces[:-WARM_START_HELDOUT], traces[-WARM_START_HELDOUT:]
 
 
+# trainer settings of the online rounds' gate and lineage, which a warm start never reads
+ROUND_ONLY = ("promote_margin", "lineage", "replay_k", "holdout_fraction")
+
+
 def warm_start_recipe(domains: list[str], minutes: float) -> dict:
     """What a cached initial head depends on: its prompts, their answers' length and every trainer
-    setting, so a head built before the trainer's defaults changed is built again, not reused."""
+    setting but the rounds' own (ROUND_ONLY), so a head built before the trainer's defaults changed is
+    built again, not reused (a setting added to the trainer counts until it is named there)."""
+    trainer = {k: v for k, v in dataclasses.asdict(warm_start_config(minutes)).items() if k not in ROUND_ONLY}
     recipe = {"prompts": WARM_START_PROMPTS, "distinct": True, "domains": domains, "prompt_seed": PROMPT_SEED,
-              "answer_tokens": WARM_START_TOKENS, "heldout": WARM_START_HELDOUT,
-              "trainer": dataclasses.asdict(warm_start_config(minutes))}
+              "answer_tokens": WARM_START_TOKENS, "heldout": WARM_START_HELDOUT, "trainer": trainer}
     return json.loads(json.dumps(recipe))  # as it reads back from its file (tuples as lists)
 
 
