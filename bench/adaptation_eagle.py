@@ -131,7 +131,7 @@ class EagleRun:
     init_dir: Path
     logged: list[RequestTrace]
     passes: dict
-    segment_end: dict[str, Path] = field(default_factory=dict)  # domain -> the version serving its last request
+    timed_versions: dict[str, Path] = field(default_factory=dict)  # domain -> the version to time (served_tail)
 
 
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> EagleRun:
@@ -156,16 +156,16 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     served: list[RequestTrace] = []
     run = EagleRun(frozen, [], [], 0.0, 0, init_dir, logged, passes)
     # the first request a segment's served version is timed on -> its domain
-    ends = ({s: d for d, (s, _) in served_tail(segments(traffic, args.domains.split(",")), args.serve_prompts).items()}
-            if args.serve_prompts else {})
+    tails = served_tail(segments(traffic, args.domains.split(",")), args.serve_prompts) if args.serve_prompts else {}
+    timed_from = {s: d for d, (s, _) in tails.items()}
     for r0 in range(0, len(logged), args.every):
         block = replay(champion_dir, logged[r0 : r0 + args.every], version).traces
         served += block
         run.adapted += per_request(block)
-        for domain in (ends[i] for i in range(r0, r0 + len(block)) if i in ends):
-            run.segment_end[domain] = out.parent / f"{out.name}_served" / domain
-            shutil.rmtree(run.segment_end[domain], ignore_errors=True)
-            shutil.copytree(champion_dir, run.segment_end[domain])
+        for domain in (timed_from[i] for i in range(r0, r0 + len(block)) if i in timed_from):
+            run.timed_versions[domain] = out.parent / f"{out.name}_served" / domain
+            shutil.rmtree(run.timed_versions[domain], ignore_errors=True)
+            shutil.copytree(champion_dir, run.timed_versions[domain])
         if r0 + args.every >= len(logged):
             break
         window = served[-args.window :]

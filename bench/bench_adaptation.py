@@ -201,7 +201,7 @@ def main() -> None:
 
         write()
         if args.serve_prompts:
-            extra["served"] = served_speed(args, target, traffic, run.segment_end)
+            extra["served"] = served_speed(args, target, traffic, run.timed_versions)
             write()
         if args.references != "none":
             extra.update(references(run, args, target, work))
