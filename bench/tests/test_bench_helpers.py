@@ -292,6 +292,17 @@ def test_the_scaling_bench_reads_answers_made_elsewhere_only_with_the_same_setti
         make_data(None, args, 4, path, made_elsewhere=True)
     with pytest.raises(SystemExit, match="no such file"):
         make_data(None, args, 2, tmp_path / "none.gz", made_elsewhere=True)
+    # answers written by a bf16 copy are another greedy path: not read as the fp32 target's, nor the reverse
+    with pytest.raises(SystemExit, match="same settings"):
+        make_data(None, argparse.Namespace(**{**vars(args), "answer_dtype": "bf16"}), 2, path, made_elsewhere=True)
+    bf16 = tmp_path / "bf16.jsonl.gz"
+    with gzip.open(path, "rt") as src, gzip.open(bf16, "wt") as f:
+        src.readline()
+        f.write(json.dumps({"key": {**settings, "answer_dtype": "bf16"}, "magpie": 3}) + "\n" + src.read())
+    with pytest.raises(SystemExit, match="same settings"):
+        make_data(None, args, 2, bf16, made_elsewhere=True)
+    bf16_args = argparse.Namespace(**{**vars(args), "answer_dtype": "bf16"})
+    assert len(make_data(None, bf16_args, 2, bf16, made_elsewhere=True)["magpie"]) == 3
 
 
 def test_a_warm_start_variant_names_trainer_settings_typed_as_their_defaults():

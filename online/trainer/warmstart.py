@@ -61,14 +61,16 @@ def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_to
 
 
 def sampled_answers(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, passes: int,
-                    temperature: float, *, progress: Callable[[int], None] | None = None) -> list[RequestTrace]:
+                    temperature: float, *, batch: int = 16,
+                    progress: Callable[[int], None] | None = None) -> list[RequestTrace]:
     """`passes` more answers per prompt, sampled at `temperature` (pass n seeded with
     (n + 1) * 1_000_003, so every run with the same prompts draws the same answers): more
     training data for the same prompts, beside their greedy answers."""
     if passes and not temperature > 0:
         raise ValueError(f"sampled answers need a temperature > 0, got {temperature}")
-    return [t for n in range(passes) for t in answer_prompts(target, prompts, max_new_tokens, progress=progress,
-                                                             temperature=temperature, seed=(n + 1) * 1_000_003)]
+    return [t for n in range(passes) for t in answer_prompts(target, prompts, max_new_tokens, batch=batch,
+                                                             progress=progress, temperature=temperature,
+                                                             seed=(n + 1) * 1_000_003)]
 
 
 def split_heldout(items: Sequence[T], heldout: int) -> tuple[list[T], list[T]]:
