@@ -117,7 +117,8 @@ def main() -> None:
                         prompt_weight=args.prompt_weight,
                         mixed_precision=args.mixed_precision)
     rows = []
-    summary = {"target": target.model_id, "device": device, "data_seconds": round(gen_s, 1), "k": args.k,
+    summary = {"target": target.model_id, "device": device, "answer_dtype": args.answer_dtype,
+               "data_seconds": round(gen_s, 1), "k": args.k,
                "steps": args.steps, "minutes": args.minutes, "batch_size": args.batch_size, "lr": args.lr,
                "prompt_weight": args.prompt_weight,
                "mixed_precision": args.mixed_precision, "rows": rows}
