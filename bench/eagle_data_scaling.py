@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from bench.bench_engine import PROMPTS
 from bench.traffic import THREADS_HELP, chat_ids, prompt_pool, start_run
 from bench.train_eagle import replay_heldout
@@ -40,7 +38,7 @@ from online.commands.generate import read_prompts
 from online.config import MIXED_PRECISION, TrainerConfig
 from online.stream.events import trace_from_json, trace_to_json
 from online.trainer.warmstart import answer_prompts, sampled_answers, synthesize_prompts, warm_start
-from runtime.loader import load_model, resolve_device
+from runtime.loader import DTYPES, load_model, resolve_device
 from runtime.trace import RequestTrace
 
 DATA_KEYS = ("target", "pool", "heldout", "sampled", "temperature", "max_new_tokens", "unlike")
@@ -58,8 +56,8 @@ def main() -> None:
     ap.add_argument("--unlike", default="bench/prompts/unlike-40.jsonl", help="held-out prompts in no pool")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--answer-batch", type=int, default=16, help="requests the target answers at a time")
-    ap.add_argument("--answer-dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="dtype of the target copy that writes the prompts and answers the training sets (bf16: "
+    ap.add_argument("--answer-dtype", choices=tuple(DTYPES), default="float32",
+                    help="dtype of the target copy that writes the prompts and answers the training sets (bfloat16: "
                          "about twice as fast on a CPU with AMX; its answers are another greedy path where two "
                          "tokens nearly tie); the held-out sets are always answered by the target as loaded")
     ap.add_argument("--steps", type=int, default=2555,
@@ -161,7 +159,7 @@ def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = F
     made with the same settings and at least `magpie` written prompts, else made and written there.
     `made_elsewhere`: `path` must hold them (its target may carry another name), else SystemExit."""
     key = {k: getattr(args, k) for k in DATA_KEYS}
-    if getattr(args, "answer_dtype", "fp32") != "fp32":  # in the key only where not the default: older files stay valid
+    if getattr(args, "answer_dtype", "float32") != "float32":  # keyed only where not the default: old files stay valid
         key["answer_dtype"] = args.answer_dtype
     if made_elsewhere:
         if not path.is_file():
@@ -197,8 +195,8 @@ def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = F
         raise SystemExit(f"the general pool has fewer than {len(pool)} distinct prompts: lower --pool/--heldout")
     unlike = read_prompts(args.unlike)
     held = set(pool) | set(PROMPTS) | set(unlike)
-    writer = target if args.answer_dtype == "fp32" else load_model(args.target, dtype=torch.bfloat16,
-                                                                   device=resolve_device(args.device))
+    writer = target if args.answer_dtype == "float32" else load_model(args.target, dtype=DTYPES[args.answer_dtype],
+                                                                      device=str(target.model.device))
     written = [p for p in synthesize_prompts(writer, magpie + 64, seed=11, batch=args.answer_batch)
                if p not in held][:magpie] if magpie else []
     if len(written) < magpie:

@@ -292,16 +292,16 @@ def test_the_scaling_bench_reads_answers_made_elsewhere_only_with_the_same_setti
         make_data(None, args, 4, path, made_elsewhere=True)
     with pytest.raises(SystemExit, match="no such file"):
         make_data(None, args, 2, tmp_path / "none.gz", made_elsewhere=True)
-    # answers written by a bf16 copy are another greedy path: not read as the fp32 target's, nor the reverse
+    # answers written by a bfloat16 copy are another greedy path: not read as the fp32 target's, nor the reverse
     with pytest.raises(SystemExit, match="same settings"):
-        make_data(None, argparse.Namespace(**{**vars(args), "answer_dtype": "bf16"}), 2, path, made_elsewhere=True)
+        make_data(None, argparse.Namespace(**{**vars(args), "answer_dtype": "bfloat16"}), 2, path, made_elsewhere=True)
     bf16 = tmp_path / "bf16.jsonl.gz"
     with gzip.open(path, "rt") as src, gzip.open(bf16, "wt") as f:
         src.readline()
-        f.write(json.dumps({"key": {**settings, "answer_dtype": "bf16"}, "magpie": 3}) + "\n" + src.read())
+        f.write(json.dumps({"key": {**settings, "answer_dtype": "bfloat16"}, "magpie": 3}) + "\n" + src.read())
     with pytest.raises(SystemExit, match="same settings"):
         make_data(None, args, 2, bf16, made_elsewhere=True)
-    bf16_args = argparse.Namespace(**{**vars(args), "answer_dtype": "bf16"})
+    bf16_args = argparse.Namespace(**{**vars(args), "answer_dtype": "bfloat16"})
     assert len(make_data(None, bf16_args, 2, bf16, made_elsewhere=True)["magpie"]) == 3
 
 
