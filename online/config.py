@@ -103,6 +103,10 @@ class TrainerConfig:
     # held-out mean acceptance length fell below the champion's by more than promote_margin (the gate still decides
     # what serves; a promotion or rollback by hand starts again from the champion)
     lineage: str = "trainee"
+    # eagle, lineage "trainee": a round resumes its parent's AdamW state (optimizer.pt beside the candidate, kept out
+    # of the registry) and learning rate: warm-up over the lineage's first warmup_steps, then a constant lr, one
+    # continuous run gated every round; false: each round a fresh optimizer with its own warm-up and cosine decay
+    carry_optimizer: bool = False
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/livedraft/models")
 DRAFTER_META = "livedraft_drafter.json"  # written by `drafter init`: kept_ids, provenance
+OPTIMIZER_STATE = "optimizer.pt"  # beside a trainee lineage's head (trainer.carry_optimizer): AdamW state, never served
 
 # name -> (python package holding the file, file name, install hint)
 PACKAGED = {

@@ -535,3 +535,66 @@ def test_train_minutes_without_steps_trains_for_the_time_given():
     assert training_steps(None, 25.0) == UNBOUNDED
     assert training_steps(None, 0.0) == 600
     assert training_steps(50, 25.0) == 50
+
+
+def test_a_carried_lineage_resumes_its_optimizer_and_learning_rate(stories, eagle_traffic, tmp_path, caplog):
+    """trainer.carry_optimizer: a round saves AdamW's state beside its candidate, the next round
+    from that candidate resumes it (steps count on, the rate warmed up once and then constant), a
+    state that does not fit the parent head is set aside with a warning, and without the setting
+    nothing is saved."""
+    from online.config import TrainerConfig
+    from online.trainer.eagle import OPTIMIZER_STATE, distill_eagle
+
+    head = init_head(stories, choose_draft_vocab(stories, 128))  # lacks the traffic's tokens: rounds admit some
+    save_head(head, tmp_path / "init", {"version": "0"})
+    ex = FeatureExtractor(stories, head.config.aux_layers)
+    passes = {t.request_id: ex.one(t.prompt_ids + t.output_ids) for t in eagle_traffic[:40]}
+    cfg = TrainerConfig(steps=6, batch_size=4, lr=1e-3, warmup_steps=4, vocab_refresh=2, carry_optimizer=True)
+
+    def state(res):
+        return torch.load(res.out_dir / OPTIMIZER_STATE, weights_only=True)
+
+    def round_(parent, traces, name, c=cfg):
+        return distill_eagle(parent, traces, tmp_path / name, c, stories, passes=passes, version=name)
+
+    r1 = round_(tmp_path / "init", eagle_traffic[:20], "r1")
+    r2 = round_(r1.out_dir, eagle_traffic[20:40], "r2")
+    s1, s2 = state(r1), state(r2)
+    assert (s1["steps"], s2["steps"]) == (6, 12)
+    assert json.loads((r2.out_dir / "livedraft_drafter.json").read_text())["training"]["lineage_steps"] == 12
+    assert {float(m["step"]) for m in s2["optimizer"]["state"].values()} == {12.0}  # Adam's own count went on
+    for s in (s1, s2):  # warmed up over the lineage's first 4 steps, then constant: no per-round decay
+        assert s["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3)
+    assert s2["draft_ids"] == EagleHead.load(r2.out_dir).draft_ids.tolist()
+    meta = json.loads((r1.out_dir / "livedraft_drafter.json").read_text())["training"]
+    assert meta["vocab_admitted"] > 0 and meta["carry_optimizer"] is True
+
+    # a state beside another head (here: another draft vocabulary) is not resumed
+    (tmp_path / "init" / OPTIMIZER_STATE).write_bytes((r2.out_dir / OPTIMIZER_STATE).read_bytes())
+    with caplog.at_level("WARNING"):
+        r3 = round_(tmp_path / "init", eagle_traffic[:20], "r3")
+    assert state(r3)["steps"] == 6 and "belongs to another head" in caplog.text
+    r4 = round_(r2.out_dir, eagle_traffic[:20], "r4", dataclasses.replace(cfg, carry_optimizer=False))
+    assert not (r4.out_dir / OPTIMIZER_STATE).exists()
+
+
+def test_the_carried_moments_follow_their_tokens_when_the_vocabulary_refreshes():
+    from online.trainer.eagle import LineageState, trainable_names
+
+    target, head = tiny_target_and_head(vocab=64, draft_vocab=48)  # draft ids 0..47
+    names = trainable_names(head)
+    params = dict(head.named_parameters())
+    lm = names.index("lm_head.weight")
+    rows = torch.arange(48, dtype=torch.float32)[:, None].expand_as(params["lm_head.weight"]).clone()
+    state = LineageState({"state": {lm: {"step": torch.tensor(5.0), "exp_avg": rows + 1, "exp_avg_sq": rows + 100}},
+                          "param_groups": []}, 5, names, head.draft_ids.tolist())
+    traces = [RequestTrace("r", [1, 2], [50, 50, 60, 60, 3, 3, 47], [], "tiny", "-", max_new_tokens=16)]
+    assert refresh_vocab(head, traces, target, 2) == 2
+    ids = head.draft_ids.tolist()
+    state.follow_vocab(ids)
+    m = state.optimizer["state"][lm]
+    for t in (0, 3, 47):  # a kept token's moments moved with its row
+        assert m["exp_avg"][ids.index(t)][0] == t + 1 and m["exp_avg_sq"][ids.index(t)][0] == t + 100
+    for t in (50, 60):  # an admitted token's start from zero
+        assert not m["exp_avg"][ids.index(t)].any() and not m["exp_avg_sq"][ids.index(t)].any()
+    assert state.draft_ids == ids

@@ -16,7 +16,7 @@ from online.registry import DrafterRegistry, RegistryError, RegistrySettings, st
 from online.trainer.common import DistillResult
 from online.trainer.round import ReplayMetrics, RoundResult
 from runtime.drafters.factory import load_model_drafter
-from runtime.loader import DRAFTER_META
+from runtime.loader import DRAFTER_META, OPTIMIZER_STATE
 
 TARGET = "stories260K"
 
@@ -144,8 +144,11 @@ def test_the_trainee_alias_moves_by_hand_and_a_promotion_or_rollback_clears_it(t
     reg.bootstrap(stories_drafter_dir)
     assert reg.trainee_version() is None
     for name in ("c", "d"):
-        reg.log_round(round_result(candidate_dir(stories_drafter_dir, tmp_path / name, f"cand-{name}"),
-                                   f"cand-{name}", "1", False))
+        cand = candidate_dir(stories_drafter_dir, tmp_path / name, f"cand-{name}")
+        (cand / OPTIMIZER_STATE).write_bytes(b"moments")  # trainer.carry_optimizer: the trainer keeps it, not MLflow
+        reg.log_round(round_result(cand, f"cand-{name}", "1", False))
+        assert (cand / OPTIMIZER_STATE).read_bytes() == b"moments"
+    assert not (reg.download(3) / OPTIMIZER_STATE).exists() and (reg.download(3) / DRAFTER_META).is_file()
     reg.set_trainee(3)
     assert reg.trainee_version() == 3 and {v.version: v.aliases for v in reg.history()}[3] == ["trainee"]
     reg.set_trainee(None)

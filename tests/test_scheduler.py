@@ -3,6 +3,7 @@ APScheduler triggers, the new-traces trigger counts, and a drain abandons at the
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ from online.config import Config, ConfigError, DaemonConfig, TrainerConfig
 from online.registry import LocalDrafter, LoggedRound
 from online.trainer.common import NotEnoughData
 from online.trainer.round import TraceWindow
-from online.trainer.scheduler import TrainerService
+from online.trainer.scheduler import LINEAGE_DIR, TrainerService
 from runtime.errors import ModelLoadError
+from runtime.loader import OPTIMIZER_STATE
 
 
 class FakeStore:
@@ -74,6 +76,7 @@ class FakeResult:
     reason: str
     candidate: SimpleNamespace
     champion: SimpleNamespace
+    candidate_dir: Path | None = None
 
 
 def fake_result(promoted: bool = True, mal: float = 2.0):
@@ -140,6 +143,38 @@ def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind
     svc = TrainerService(plain, FakeStore(50), reg, round_fn=lambda w, c, work, cfg, **kw: seen.append(
         kw["parent_version"]) or fake_result(False, 1.5))
     assert svc.run_round_once().ok and seen == ["4"] and reg.trainee == 6  # lineage "champion": never moves it
+
+
+def test_a_carried_lineage_keeps_the_trainee_with_its_optimizer_state_for_the_next_round(tmp_path):
+    """trainer.carry_optimizer: the trainee's directory (optimizer state included) stays under the
+    work dir, the next round trains from it, only the newest is kept, and a lineage that fell
+    behind starts again from the champion with no state."""
+    parents, verdicts = [], iter([(False, 1.48), (True, 2.0), (False, 1.2), (False, 1.5)])
+
+    def round_fn(window, champion_dir, work, cfg, *, parent_dir, parent_version, **kw):
+        state = Path(parent_dir) / OPTIMIZER_STATE
+        parents.append((parent_version, state.read_text() if state.is_file() else None))
+        out = Path(work) / "cand"
+        out.mkdir(parents=True)
+        (out / OPTIMIZER_STATE).write_text(f"after round {len(parents)}")
+        promoted, mal = next(verdicts)
+        return dataclasses.replace(fake_result(promoted, mal), candidate_dir=out)
+
+    cfg = Config(data_dir=str(tmp_path), trainer=TrainerConfig(lineage="trainee", carry_optimizer=True))
+    reg = FakeRegistry(tmp_path)
+    svc = TrainerService(cfg, FakeStore(50), reg, round_fn=round_fn)
+    lineage = tmp_path / "trainer" / LINEAGE_DIR
+    for _ in range(4):
+        assert svc.run_round_once().ok
+        assert len(list(lineage.iterdir())) <= 1
+        assert [p.name for p in lineage.iterdir()] == ([f"v{reg.trainee}"] if reg.trainee else [])
+    assert parents == [
+        ("1", None),  # no trainee yet: the champion, a fresh optimizer
+        ("2", "after round 1"),  # version 2 lost by 0.02 < margin: on from it, its state with it
+        ("3", "after round 2"),  # version 3 won: the champion and still the lineage, state carried
+        ("3", None),  # version 4 fell 0.3 behind: the champion as downloaded, a fresh optimizer
+    ]
+    assert reg.trainee == 5 and (lineage / "v5" / OPTIMIZER_STATE).read_text() == "after round 4"
 
 
 def test_a_round_whose_champion_was_rolled_back_meanwhile_neither_promotes_nor_trains_on(tmp_path):

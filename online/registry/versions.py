@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from online.config import Config
 from runtime.errors import LivedraftError
-from runtime.loader import read_drafter_meta
+from runtime.loader import OPTIMIZER_STATE, read_drafter_meta
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -389,7 +389,12 @@ class DrafterRegistry:
         which llama-server loads, when its target resolves."""
         from runtime.drafters.eagle import export_speculators, is_eagle_dir
 
-        self.client.log_artifacts(run_id, str(drafter_dir), DRAFTER_ARTIFACTS)
+        with tempfile.TemporaryDirectory() as tmp:
+            logged = drafter_dir
+            if (drafter_dir / OPTIMIZER_STATE).exists():  # the lineage's optimizer: the trainer's, not the version's
+                logged = Path(tmp) / "drafter"
+                shutil.copytree(drafter_dir, logged, ignore=shutil.ignore_patterns(OPTIMIZER_STATE))
+            self.client.log_artifacts(run_id, str(logged), DRAFTER_ARTIFACTS)
         if is_eagle_dir(drafter_dir):
             with tempfile.TemporaryDirectory() as tmp:
                 self.client.log_artifacts(run_id, str(export_speculators(drafter_dir, Path(tmp) / "x")),

@@ -40,7 +40,7 @@ from online.trainer.common import DistillResult, NotEnoughData, TrainingError, c
 from online.trainer.features import FeatureExtractor, TargetPass
 from runtime.drafters.eagle import EagleConfig, EagleHead
 from runtime.llama import Rotary, Shape, rotate
-from runtime.loader import DRAFTER_META, LoadedModel, read_drafter_meta
+from runtime.loader import DRAFTER_META, OPTIMIZER_STATE, LoadedModel, read_drafter_meta
 from runtime.target import default_feature_layers
 from runtime.trace import RequestTrace
 
@@ -159,6 +159,70 @@ def save_head(head: EagleHead, out_dir: Path, meta: dict[str, Any]) -> Path:
     head.save(out_dir)
     (out_dir / DRAFTER_META).write_text(json.dumps({"kind": "eagle", **meta}))
     return out_dir
+
+
+# -- a trainee lineage's optimizer (trainer.carry_optimizer) --------------------------------------
+
+def trainable_names(head: EagleHead) -> list[str]:
+    """The head's trained parameters, in the optimizer's order."""
+    return [n for n, p in head.named_parameters() if p.requires_grad]
+
+
+@dataclass
+class LineageState:
+    """What a trainee lineage carries from round to round with cfg.carry_optimizer: AdamW's state
+    (indexed by the head's trained parameters, `names`, in order), the optimizer steps the lineage
+    has trained, and the draft vocabulary the moments' lm_head rows belong to."""
+
+    optimizer: dict
+    steps: int
+    names: list[str]
+    draft_ids: list[int]
+
+    def save(self, out_dir: Path) -> Path:
+        path = Path(out_dir) / OPTIMIZER_STATE
+        torch.save({"optimizer": self.optimizer, "steps": self.steps, "names": self.names,
+                    "draft_ids": self.draft_ids}, path)
+        return path
+
+    @classmethod
+    def read(cls, drafter_dir: Path, head: EagleHead) -> LineageState | None:
+        """The state saved beside the head at `drafter_dir`: None where there is none, or where it
+        does not fit `head` (other parameters or shapes, another draft vocabulary: a head edited or
+        replaced by hand), which is said in a warning; the round then starts a fresh optimizer."""
+        path = Path(drafter_dir) / OPTIMIZER_STATE
+        if not path.is_file():
+            return None
+        try:
+            raw = torch.load(path, map_location=head.lm_head.weight.device, weights_only=True)
+            state = cls(raw["optimizer"], int(raw["steps"]), list(raw["names"]), [int(i) for i in raw["draft_ids"]])
+        except Exception as e:  # a torn or foreign file: never worth failing a round over
+            log.warning("eagle: %s cannot be read (%s); this round starts a fresh optimizer", path, e)
+            return None
+        params = dict(head.named_parameters())
+        moments = state.optimizer.get("state", {})
+        fits = (state.names == trainable_names(head) and state.draft_ids == head.draft_ids.tolist()
+                and all(moments[i]["exp_avg"].shape == params[n].shape
+                        for i, n in enumerate(state.names) if i in moments))
+        if not fits:
+            log.warning("eagle: %s belongs to another head (parameters or draft vocabulary differ); this round "
+                        "starts a fresh optimizer", path)
+            return None
+        return state
+
+    def follow_vocab(self, draft_ids: Sequence[int]) -> None:
+        """After refresh_vocab: lm_head's moments move with their tokens' rows; an admitted token's
+        rows start from zero, as a fresh optimizer's would."""
+        rows = {t: i for i, t in enumerate(self.draft_ids)}
+        moments = self.optimizer.get("state", {}).get(self.names.index("lm_head.weight"))
+        if moments is not None:
+            src = torch.tensor([rows.get(int(t), -1) for t in draft_ids])
+            kept = src >= 0
+            for key in ("exp_avg", "exp_avg_sq"):
+                new = torch.zeros_like(moments[key])
+                new[kept] = moments[key][src[kept]]
+                moments[key] = new
+        self.draft_ids = [int(t) for t in draft_ids]
 
 
 # -- training data ---------------------------------------------------------------------------
@@ -312,17 +376,28 @@ class TrainStats:
     seconds: float
     steps: int
     examples: int
+    optimizer: dict | None = None  # AdamW's state after the run, with cfg.carry_optimizer
 
 
 def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tensor, target_head: torch.Tensor,
-               cfg: TrainerConfig, *, on_step: Callable[[int, float], float | None] | None = None) -> TrainStats:
+               cfg: TrainerConfig, *, on_step: Callable[[int, float], float | None] | None = None,
+               resume: LineageState | None = None) -> TrainStats:
     """Trains `head` in place for cfg.steps optimizer steps (or cfg.max_seconds of training),
     batches of cfg.batch_size examples in seeded shuffled epochs. `on_step(step, loss)` runs after
     each step and may return seconds it spent on something else (an evaluation): they count
-    neither against max_seconds nor in the returned training time."""
+    neither against max_seconds nor in the returned training time. With cfg.carry_optimizer the run
+    continues a lineage's (`resume`: AdamW's moments and the steps before; none: the lineage's
+    first run): the learning rate warms up over the lineage's first cfg.warmup_steps and then stays
+    at cfg.lr, one continuous run with no end to decay towards; the state after is returned."""
     loss_fn = TTTLoss(head, embed, target_head, cfg)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    before = 0
+    if cfg.carry_optimizer and resume is not None:
+        opt.load_state_dict(resume.optimizer)
+        for group in opt.param_groups:
+            group["weight_decay"] = cfg.weight_decay
+        before = resume.steps
     head.train()
     losses, t0, paused = [], time.perf_counter(), 0.0
     batches = _batches(examples, cfg.batch_size, cfg.seed)
@@ -330,8 +405,10 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
         progress = step / cfg.steps
         if cfg.max_seconds:  # a time budget: the schedule follows whichever budget ends first
             progress = max(progress, (time.perf_counter() - t0 - paused) / cfg.max_seconds)
+        if cfg.carry_optimizer:  # no decay: progress 0 is the peak rate once warmed up
+            progress = 0.0
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_factor(step, progress, cfg.warmup_steps)
+            group["lr"] = cfg.lr * lr_factor(before + step, progress, cfg.warmup_steps)
         with autocast(cfg, params[0].device):
             loss, parts = loss_fn(next(batches))
         opt.zero_grad(set_to_none=True)
@@ -349,7 +426,8 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
             log.info("eagle training stopped at the %.0fs budget after %d steps", cfg.max_seconds, step + 1)
             break
     head.eval()
-    return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples))
+    return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples),
+                      opt.state_dict() if cfg.carry_optimizer else None)
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> torch.autocast:
@@ -420,23 +498,31 @@ def distill_eagle(
     if todo:
         passes.update(zip((t.request_id for t in todo), FeatureExtractor(target, head.config.aux_layers)(todo),
                           strict=True))
+    resume = LineageState.read(Path(drafter_dir), head) if cfg.carry_optimizer else None
     admitted = refresh_vocab(head, ok, target, cfg.vocab_refresh)
+    if resume is not None:
+        resume.follow_vocab(head.draft_ids.tolist())
     examples = make_examples(ok, [passes[t.request_id] for t in ok], cfg)
     parent = read_drafter_meta(Path(drafter_dir))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         stats = train_head(head, examples, target.model.get_input_embeddings().weight,
-                           target.model.get_output_embeddings().weight, cfg)
+                           target.model.get_output_embeddings().weight, cfg, resume=resume)
+    lineage_steps = (resume.steps if resume is not None else 0) + stats.steps
     parent_version = str(parent.get("version") or Path(drafter_dir).name)
     version = version or f"cand-{int(time.time())}"
     training = {"kind": "eagle", "steps_done": stats.steps, "seconds": round(stats.seconds, 3),
                 "traces": len(ok), "created_at": time.time(), "vocab_admitted": admitted,
                 **{k: getattr(cfg, k) for k in ("lr", "batch_size", "ttt_steps", "ttt_decay", "ce_weight",
                                                 "prompt_weight", "rejected_weight", "mixed_precision", "vocab_refresh",
-                                                "seed")}}
+                                                "seed", "carry_optimizer")}}
+    if stats.optimizer is not None:
+        training["lineage_steps"] = lineage_steps
     meta = {**(provenance or {}), "version": version, "parent_version": parent_version, "training": training}
     tmp = out.parent / f".{out.name}-tmp"
     save_head(head, tmp, meta)
+    if stats.optimizer is not None:
+        LineageState(stats.optimizer, lineage_steps, trainable_names(head), head.draft_ids.tolist()).save(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)

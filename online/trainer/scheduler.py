@@ -32,7 +32,9 @@ from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
 from online.trainer.round import RoundResult, TraceWindow, run_round, trains_on
 from runtime.errors import LivedraftError
-from runtime.loader import LoadedModel, resolve_device
+from runtime.loader import OPTIMIZER_STATE, LoadedModel, resolve_device
+
+LINEAGE_DIR = "lineage"  # under the trainer's work_dir: the trainee's directory with its optimizer state
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,12 @@ class TrainerService:
         """What this round trains from: the champion, or with `trainer.lineage = "trainee"` the
         version under the registry's `trainee` alias (the last round's candidate) while there is one."""
         version = self.registry.trainee_version() if self.cfg.trainer.lineage == "trainee" else None
-        if version is None or version == champion.version:
+        if version is None:
+            return champion
+        kept = self.work_dir / LINEAGE_DIR / f"v{version}"
+        if self.cfg.trainer.carry_optimizer and (kept / OPTIMIZER_STATE).is_file():
+            return LocalDrafter(version, kept)  # the trainee as its round left it: its optimizer state included
+        if version == champion.version:
             return champion
         try:
             return LocalDrafter(version, self.registry.download(version))
@@ -198,6 +205,24 @@ class TrainerService:
         if self.cfg.trainer.lineage == "trainee":
             keep = trains_on(result.candidate, result.champion, self.cfg.trainer.promote_margin)
             self.registry.set_trainee(version if keep else None)
+            self._keep_lineage(result.candidate_dir if keep else None, version)
+
+    def _keep_lineage(self, candidate_dir: Path | None, version: int) -> None:
+        """`trainer.carry_optimizer`: the trainee's own directory, optimizer state included (the
+        registry holds its weights, never that state), moved to `work_dir/lineage/v<version>` for the
+        next round; an older one goes. A daemon restarted goes on from it; without it (a lost disk, a
+        trainee moved by hand) a round starts a fresh optimizer."""
+        root = self.work_dir / LINEAGE_DIR
+        kept = None
+        carried = candidate_dir is not None and (Path(candidate_dir) / OPTIMIZER_STATE).is_file()
+        if carried and self.cfg.trainer.carry_optimizer:
+            kept = root / f"v{version}"
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(kept, ignore_errors=True)
+            Path(candidate_dir).rename(kept)  # the round's work dir is under work_dir too: one file system
+        for old in root.glob("v*") if root.is_dir() else ():
+            if old != kept:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _record(self, o: RoundOutcome) -> None:
         s = self.stats
