@@ -541,7 +541,7 @@ def test_a_carried_lineage_resumes_its_optimizer_and_learning_rate(stories, eagl
     """trainer.carry_optimizer: a round saves AdamW's state beside its candidate, the next round
     from that candidate resumes it (steps count on, the rate warmed up once and then constant), a
     state that does not fit the parent head is set aside with a warning, and without the setting
-    nothing is saved."""
+    or the trainee lineage nothing is carried."""
     from online.config import TrainerConfig
     from online.trainer.eagle import OPTIMIZER_STATE, distill_eagle
 
@@ -574,8 +574,10 @@ def test_a_carried_lineage_resumes_its_optimizer_and_learning_rate(stories, eagl
     with caplog.at_level("WARNING"):
         r3 = round_(tmp_path / "init", eagle_traffic[:20], "r3")
     assert state(r3)["steps"] == 6 and "belongs to another head" in caplog.text
-    r4 = round_(r2.out_dir, eagle_traffic[:20], "r4", dataclasses.replace(cfg, carry_optimizer=False))
-    assert not (r4.out_dir / OPTIMIZER_STATE).exists()
+    for name, change in (("r4", {"carry_optimizer": False}), ("r5", {"lineage": "champion"})):  # nothing carried
+        res = round_(r2.out_dir, eagle_traffic[:20], name, dataclasses.replace(cfg, **change))
+        assert not (res.out_dir / OPTIMIZER_STATE).exists()
+        assert json.loads((res.out_dir / "livedraft_drafter.json").read_text())["training"]["carry_optimizer"] is False
 
 
 def test_the_carried_moments_follow_their_tokens_when_the_vocabulary_refreshes():

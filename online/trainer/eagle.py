@@ -163,6 +163,7 @@ def save_head(head: EagleHead, out_dir: Path, meta: dict[str, Any]) -> Path:
 
 # -- a trainee lineage's optimizer (trainer.carry_optimizer) --------------------------------------
 
+
 def trainable_names(head: EagleHead) -> list[str]:
     """The head's trained parameters, in the optimizer's order."""
     return [n for n, p in head.named_parameters() if p.requires_grad]
@@ -381,19 +382,20 @@ class TrainStats:
 
 def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tensor, target_head: torch.Tensor,
                cfg: TrainerConfig, *, on_step: Callable[[int, float], float | None] | None = None,
-               resume: LineageState | None = None) -> TrainStats:
+               carry: bool = False, resume: LineageState | None = None) -> TrainStats:
     """Trains `head` in place for cfg.steps optimizer steps (or cfg.max_seconds of training),
     batches of cfg.batch_size examples in seeded shuffled epochs. `on_step(step, loss)` runs after
     each step and may return seconds it spent on something else (an evaluation): they count
-    neither against max_seconds nor in the returned training time. With cfg.carry_optimizer the run
-    continues a lineage's (`resume`: AdamW's moments and the steps before; none: the lineage's
-    first run): the learning rate warms up over the lineage's first cfg.warmup_steps and then stays
-    at cfg.lr, one continuous run with no end to decay towards; the state after is returned."""
+    neither against max_seconds nor in the returned training time. With `carry` (a trainee
+    lineage's round under cfg.carry_optimizer) the run continues the lineage's (`resume`: AdamW's
+    moments and the steps before; none: the lineage's first run): the learning rate warms up over
+    the lineage's first cfg.warmup_steps and then stays at cfg.lr, one continuous run with no end
+    to decay towards; the optimizer's state after is returned."""
     loss_fn = TTTLoss(head, embed, target_head, cfg)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = 0
-    if cfg.carry_optimizer and resume is not None:
+    if carry and resume is not None:
         opt.load_state_dict(resume.optimizer)
         for group in opt.param_groups:
             group["weight_decay"] = cfg.weight_decay
@@ -405,7 +407,7 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
         progress = step / cfg.steps
         if cfg.max_seconds:  # a time budget: the schedule follows whichever budget ends first
             progress = max(progress, (time.perf_counter() - t0 - paused) / cfg.max_seconds)
-        if cfg.carry_optimizer:  # no decay: progress 0 is the peak rate once warmed up
+        if carry:  # no decay: progress 0 is the peak rate once warmed up
             progress = 0.0
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(before + step, progress, cfg.warmup_steps)
@@ -427,7 +429,7 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
             break
     head.eval()
     return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples),
-                      opt.state_dict() if cfg.carry_optimizer else None)
+                      opt.state_dict() if carry else None)
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> torch.autocast:
@@ -498,7 +500,8 @@ def distill_eagle(
     if todo:
         passes.update(zip((t.request_id for t in todo), FeatureExtractor(target, head.config.aux_layers)(todo),
                           strict=True))
-    resume = LineageState.read(Path(drafter_dir), head) if cfg.carry_optimizer else None
+    carry = cfg.carry_optimizer and cfg.lineage == "trainee"
+    resume = LineageState.read(Path(drafter_dir), head) if carry else None
     admitted = refresh_vocab(head, ok, target, cfg.vocab_refresh)
     if resume is not None:
         resume.follow_vocab(head.draft_ids.tolist())
@@ -507,7 +510,7 @@ def distill_eagle(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         stats = train_head(head, examples, target.model.get_input_embeddings().weight,
-                           target.model.get_output_embeddings().weight, cfg, resume=resume)
+                           target.model.get_output_embeddings().weight, cfg, carry=carry, resume=resume)
     lineage_steps = (resume.steps if resume is not None else 0) + stats.steps
     parent_version = str(parent.get("version") or Path(drafter_dir).name)
     version = version or f"cand-{int(time.time())}"
@@ -515,7 +518,7 @@ def distill_eagle(
                 "traces": len(ok), "created_at": time.time(), "vocab_admitted": admitted,
                 **{k: getattr(cfg, k) for k in ("lr", "batch_size", "ttt_steps", "ttt_decay", "ce_weight",
                                                 "prompt_weight", "rejected_weight", "mixed_precision", "vocab_refresh",
-                                                "seed", "carry_optimizer")}}
+                                                "seed")}, "carry_optimizer": carry}
     if stats.optimizer is not None:
         training["lineage_steps"] = lineage_steps
     meta = {**(provenance or {}), "version": version, "parent_version": parent_version, "training": training}
