@@ -159,9 +159,10 @@ def main() -> None:
                     help="eagle: a round trains from the champion, or from the previous round's candidate "
                          "whether or not the gate promoted it, unless it fell behind the champion by more "
                          "than --margin (the daemon's trainer.lineage; the gate still decides what serves)")
-    ap.add_argument("--carry-optimizer", action="store_true",
-                    help="eagle: a round resumes its parent's AdamW state and learning rate (warm-up once, then "
-                         "constant: the daemon's trainer.carry_optimizer) instead of a fresh optimizer each round")
+    ap.add_argument("--carry-optimizer", action=argparse.BooleanOptionalAction, default=TrainerConfig.carry_optimizer,
+                    help="eagle, --lineage trainee: a round resumes its parent's AdamW state and learning rate "
+                         "(warm-up once, then constant: the daemon's trainer.carry_optimizer, on by default); "
+                         "--no-carry-optimizer: a fresh optimizer with its own warm-up and decay each round")
     ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)

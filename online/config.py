@@ -106,7 +106,7 @@ class TrainerConfig:
     # eagle, lineage "trainee": a round resumes its parent's AdamW state (optimizer.pt beside the candidate, kept out
     # of the registry) and learning rate: warm-up over the lineage's first warmup_steps, then a constant lr, one
     # continuous run gated every round; false: each round a fresh optimizer with its own warm-up and cosine decay
-    carry_optimizer: bool = False
+    carry_optimizer: bool = True
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
 
