@@ -377,7 +377,7 @@ class TrainStats:
     seconds: float
     steps: int
     examples: int
-    optimizer: dict | None = None  # AdamW's state after the run, with cfg.carry_optimizer
+    optimizer: dict | None = None  # AdamW's state after a run that carries (train_head's `carry`)
 
 
 def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tensor, target_head: torch.Tensor,
