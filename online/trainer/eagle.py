@@ -377,7 +377,7 @@ class TrainStats:
     seconds: float
     steps: int
     examples: int
-    optimizer: dict | None = None  # AdamW's state after a run that carries (train_head's `carry`)
+    lineage: LineageState | None = None  # after a run that carries (train_head's `carry`): what the next goes on from
 
 
 def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tensor, target_head: torch.Tensor,
@@ -390,7 +390,8 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
     lineage's round under cfg.carry_optimizer) the run continues the lineage's (`resume`: AdamW's
     moments and the steps before; none: the lineage's first run): the learning rate warms up over
     the lineage's first cfg.warmup_steps and then stays at cfg.lr, one continuous run with no end
-    to decay towards; the optimizer's state after is returned."""
+    to decay towards; the lineage's state after it (its optimizer, steps and draft vocabulary) is
+    returned in TrainStats.lineage."""
     loss_fn = TTTLoss(head, embed, target_head, cfg)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -428,8 +429,9 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
             log.info("eagle training stopped at the %.0fs budget after %d steps", cfg.max_seconds, step + 1)
             break
     head.eval()
-    return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples),
-                      opt.state_dict() if carry else None)
+    lineage = (LineageState(opt.state_dict(), before + len(losses), trainable_names(head), head.draft_ids.tolist())
+               if carry else None)
+    return TrainStats(losses, time.perf_counter() - t0 - paused, len(losses), len(examples), lineage)
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> torch.autocast:
@@ -511,7 +513,6 @@ def distill_eagle(
         torch.manual_seed(cfg.seed)
         stats = train_head(head, examples, target.model.get_input_embeddings().weight,
                            target.model.get_output_embeddings().weight, cfg, carry=carry, resume=resume)
-    lineage_steps = (resume.steps if resume is not None else 0) + stats.steps
     parent_version = str(parent.get("version") or Path(drafter_dir).name)
     version = version or f"cand-{int(time.time())}"
     training = {"kind": "eagle", "steps_done": stats.steps, "seconds": round(stats.seconds, 3),
@@ -519,13 +520,13 @@ def distill_eagle(
                 **{k: getattr(cfg, k) for k in ("lr", "batch_size", "ttt_steps", "ttt_decay", "ce_weight",
                                                 "prompt_weight", "rejected_weight", "mixed_precision", "vocab_refresh",
                                                 "seed")}, "carry_optimizer": carry}
-    if stats.optimizer is not None:
-        training["lineage_steps"] = lineage_steps
+    if stats.lineage is not None:
+        training["lineage_steps"] = stats.lineage.steps
     meta = {**(provenance or {}), "version": version, "parent_version": parent_version, "training": training}
     tmp = out.parent / f".{out.name}-tmp"
     save_head(head, tmp, meta)
-    if stats.optimizer is not None:
-        LineageState(stats.optimizer, lineage_steps, trainable_names(head), head.draft_ids.tolist()).save(tmp)
+    if stats.lineage is not None:
+        stats.lineage.save(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
