@@ -197,7 +197,8 @@ def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = F
     held = set(pool) | set(PROMPTS) | set(unlike)
     writer = target if args.answer_dtype == "float32" else load_model(args.target, dtype=DTYPES[args.answer_dtype],
                                                                       device=str(target.model.device))
-    written = [p for p in synthesize_prompts(writer, magpie + 64, seed=11, batch=args.answer_batch)
+    written = [p for p in synthesize_prompts(writer, magpie + 64, seed=11, batch=args.answer_batch,
+                                             progress=done("prompts written"))
                if p not in held][:magpie] if magpie else []
     if len(written) < magpie:
         raise SystemExit(f"the target wrote {len(written)} new prompts, {magpie} asked for")

@@ -405,6 +405,28 @@ def test_synthesized_prompts_are_the_chat_targets_own_user_turns(smollm2):
     assert opened[0].startswith("Write a Python function that") and len(opened[0]) >= 28 + 12
 
 
+def test_synthesizing_reports_progress_as_each_chunk_is_kept(smollm2, monkeypatch):
+    """A round of thousands of turns is not silent until it ends: progress comes per chunk of four
+    batches, and chunking keeps the same prompts as one pass over the round would."""
+    import online.trainer.warmstart as ws
+
+    chunks: list[int] = []
+    real = ws.answer_chunks
+
+    def counted(*args, **kwargs):
+        for chunk in real(*args, **kwargs):
+            chunks.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(ws, "answer_chunks", counted)
+    calls: list[int] = []
+    got = ws.synthesize_prompts(smollm2, 6, max_prompt_tokens=48, seed=3, batch=1, progress=calls.append)
+    assert len(got) == len(set(got)) == 6 and sum(calls) == 6
+    assert len(chunks) >= 2 and len(calls) >= 2  # a round of 6 at batch 1 is two chunks (4 + 2)
+    monkeypatch.setattr(ws, "answer_chunks", lambda *a, **kw: iter([[t for c in real(*a, **kw) for t in c]]))
+    assert ws.synthesize_prompts(smollm2, 6, max_prompt_tokens=48, seed=3, batch=1) == got
+
+
 def test_synthesizing_needs_a_chat_template_and_turns_that_end(stories, smollm2):
     from online.trainer.warmstart import synthesize_prompts
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -43,18 +43,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, batch: int = 16,
-                   progress: Callable[[int], None] | None = None, temperature: float = 0.0,
-                   seed: int = 0) -> list[RequestTrace]:
-    """The target's answers (traces as serving logs them), `batch` requests decoded together:
-    greedy, or sampled at `temperature` (prompt i seeded with seed + i, so reproducible)."""
+def answer_chunks(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, batch: int = 16,
+                  temperature: float = 0.0, seed: int = 0) -> Iterator[list[RequestTrace]]:
+    """The target's answers (traces as serving logs them), `batch` requests decoded together,
+    yielded four batches at a time in the prompts' order: greedy, or sampled at `temperature`
+    (prompt i seeded with seed + i, so reproducible however many chunks a caller reads)."""
     engine = SpeculativeEngine.for_model(target, NoDrafter(), EngineConfig(max_batch=batch, topk_logprobs=0))
-    out: list[RequestTrace] = []
     for i in range(0, len(prompts), batch * 4):
         chunk = prompts[i : i + batch * 4]
         params = [SamplingParams(max_new_tokens, temperature, 1.0, None if temperature == 0 else seed + i + j)
                   for j in range(len(chunk))]
-        out += [r.trace for r in engine.generate_batch(list(chunk), params)]
+        yield [r.trace for r in engine.generate_batch(list(chunk), params)]
+
+
+def answer_prompts(target: LoadedModel, prompts: Sequence[list[int]], max_new_tokens: int, *, batch: int = 16,
+                   progress: Callable[[int], None] | None = None, temperature: float = 0.0,
+                   seed: int = 0) -> list[RequestTrace]:
+    """All of answer_chunks' answers; `progress(n)` after each chunk of n."""
+    out: list[RequestTrace] = []
+    for chunk in answer_chunks(target, prompts, max_new_tokens, batch=batch, temperature=temperature, seed=seed):
+        out += chunk
         if progress is not None:
             progress(len(chunk))
     return out
@@ -118,7 +126,8 @@ def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 
     seeded rounds, until `n` are kept (a round samples what is missing, at least a batch; at most 8
     rounds, else a LivedraftError). An `opener`
     ("Write a Python function that") starts every turn: the target writes the rest, so prompts
-    stay in one domain and still do not follow a template."""
+    stay in one domain and still do not follow a template. `progress(m)` as each chunk of four
+    batches adds m kept prompts (a round of thousands is not silent until it ends)."""
     if n <= 0:
         return []
     tok = target.tokenizer
@@ -128,15 +137,17 @@ def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 
     kept: dict[str, None] = {}
     for rnd in range(8):
         # at least a batch: the last few missing cost one batched pass either way, and a narrow opener repeats
-        traces = answer_prompts(target, [prefix] * max(n - len(kept), batch), max_prompt_tokens, batch=batch,
-                                temperature=temperature, seed=seed + rnd * 1_000_003)
-        for t in traces:
-            written = tok.decode(t.output_ids, skip_special_tokens=True)
-            text = (opener + written).strip()
-            if t.finish_reason == "stop" and len(written.strip()) >= min_chars and text not in kept and len(kept) < n:
-                kept[text] = None
-                if progress is not None:
-                    progress(1)
+        for traces in answer_chunks(target, [prefix] * max(n - len(kept), batch), max_prompt_tokens, batch=batch,
+                                    temperature=temperature, seed=seed + rnd * 1_000_003):
+            before = len(kept)
+            for t in traces:
+                written = tok.decode(t.output_ids, skip_special_tokens=True)
+                text = (opener + written).strip()
+                if (t.finish_reason == "stop" and len(written.strip()) >= min_chars and text not in kept
+                        and len(kept) < n):
+                    kept[text] = None
+            if progress is not None and len(kept) > before:
+                progress(len(kept) - before)
         if len(kept) >= n:
             return list(kept)
     raise LivedraftError(f"synthesized only {len(kept)} of {n} distinct prompts in 8 rounds: the target rarely "
