@@ -29,7 +29,7 @@ from online.trainer.windows import NotEnoughData, TraceWindow, split_window
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
 from runtime.drafters.factory import kind_of_dir, load_drafter, load_feature_drafter
-from runtime.loader import LoadedModel
+from runtime.loader import LoadedModel, resolve_device
 from runtime.stats import RequestStats
 from runtime.trace import RequestTrace
 
@@ -84,6 +84,13 @@ class RoundResult:
     parent_version: str | None = None  # what the candidate trained from, when not the champion (lineage "trainee")
 
 
+def training_device(target: LoadedModel | None, configured: str = "cpu") -> str:
+    """Where a model drafter's round trains: the target's device, else `configured` (cpu, cuda,
+    cuda:N or auto: CUDA when present). An eagle head always trains on the target's (its features
+    are there). Raises ModelLoadError for a device this machine lacks."""
+    return str(target.model.device) if target is not None else resolve_device(configured)
+
+
 def run_round(
     window: TraceWindow,
     champion_dir: str | os.PathLike,
@@ -100,8 +107,8 @@ def run_round(
     """Trains a candidate into `work_dir/<candidate_version>` and gates it against the champion.
     The candidate trains from `parent_dir` (`trainer.lineage = "trainee"`: the last round's
     candidate), by default from the champion; it must be a drafter of the champion's kind.
-    A model drafter trains on `device` (default: the target's, else the CPU); an eagle head on the
-    target's.
+    A model drafter trains on `device` (default: `training_device(target)`, the target's, else the
+    CPU); an eagle head on the target's.
 
     Blocks for training plus two replays. For a model drafter `target` (optional) only adds the
     vocabulary check; an eagle (Eagle3) champion needs it: one teacher-forced target pass per
@@ -140,7 +147,7 @@ def run_round(
     log.info("round: training %s from %s (%s trainer, %d steps)", candidate_version, parent_version,
              kind.trainer, cfg.steps)
     train = TRAINERS[kind.trainer]
-    device = device or (str(target.model.device) if target is not None else "cpu")
+    device = device or training_device(target)
     training = train(parent_dir, window.train, out, cfg, target, passes, candidate_version, provenance, device)
     cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)

@@ -30,9 +30,9 @@ from typing import Protocol
 from online.config import Config, ConfigError
 from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
-from online.trainer.round import RoundResult, TraceWindow, run_round, trains_on
+from online.trainer.round import RoundResult, TraceWindow, run_round, training_device, trains_on
 from runtime.errors import LivedraftError
-from runtime.loader import OPTIMIZER_STATE, LoadedModel, resolve_device
+from runtime.loader import OPTIMIZER_STATE, LoadedModel
 
 LINEAGE_DIR = "lineage"  # under the trainer's work_dir: the trainee's directory with its optimizer state
 
@@ -101,8 +101,7 @@ class TrainerService:
         round_fn: RoundFn = run_round,
     ) -> None:
         self.cfg, self.store, self.registry, self.target = cfg, store, registry, target
-        # where a model drafter's rounds train: the target's device, else [models] device (auto: CUDA when present)
-        self.device = str(target.model.device) if target is not None else resolve_device(cfg.models.device)
+        self.device = training_device(target, cfg.models.device)  # checked now, not at the first round
         self.round_fn = round_fn  # tests swap in fakes; the signature is run_round's
         d = cfg.daemon
         if not 1 <= d.holdout_traces < d.window_traces:
