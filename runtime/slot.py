@@ -25,3 +25,12 @@ class DrafterSlot:
         with self._lock:
             old, self._drafter = self._drafter, drafter
             return old
+
+    def swap_if(self, expected: Drafter, drafter: Drafter) -> bool:
+        """Installs `drafter` only while `expected` is still the slot's (a swap made elsewhere in
+        the meantime wins); says whether it did."""
+        with self._lock:
+            if self._drafter is not expected:
+                return False
+            self._drafter = drafter
+            return True

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,8 @@ class UpstreamFactory:
         e = self.cfg.engine
         key = cost_key(self.target.gguf, f"head-bytes-{head.stat().st_size}", e.threads, e.parallel, e.ctx_per_slot)
         cache = self.costs_dir / f"steps-{key}.json"
-        return measure_step_costs(lambda spec: self.launch(head if spec.n_max else None, spec), cache)
+        return measure_step_costs(lambda spec: self.launch(head if spec.n_max else None, spec), cache,
+                                  start_timeout_s=e.start_timeout_s)
 
     def rule(self, head: Path, acceptance: Sequence[float] | None, version: str) -> SpecParams:
         """The draft rule for `head` given its measured acceptance per position (None: no evidence).
@@ -147,7 +149,8 @@ class RuleGuard:
         self.window, self.window_steps, self.floor, self.reprobe = window, window_steps, floor, reprobe
         self.switches = 0
         self._lock = threading.Lock()
-        self._counts: dict[int, list[int]] = {}  # id(upstream) -> [requests, tokens, steps, drafted]
+        # upstream -> [requests, tokens, steps, drafted]; weak: a stopped upstream's counts go with it
+        self._counts: weakref.WeakKeyDictionary[Upstream, list[int]] = weakref.WeakKeyDictionary()
         self._busy = False
 
     @staticmethod
@@ -160,7 +163,7 @@ class RuleGuard:
         if up is not self.slot.get() or up.head_rule is None:
             return
         with self._lock:
-            c = self._counts.setdefault(id(up), [0, 0, 0, 0])
+            c = self._counts.setdefault(up, [0, 0, 0, 0])
             c[0] += 1
             c[1], c[2], c[3] = c[1] + stats.output_tokens, c[2] + stats.steps, c[3] + stats.drafted
             if up.launch.head is not None:
@@ -172,7 +175,7 @@ class RuleGuard:
                 return
             self._busy = True
             requests, tokens, steps, drafted = c
-            self._counts.pop(id(up))
+            self._counts.pop(up)
         threading.Thread(target=self._check, args=(up, requests, tokens, steps, drafted), name="livedraft-rule-guard",
                          daemon=True).start()
 
@@ -191,10 +194,9 @@ class RuleGuard:
                 log.info("drafter %s on llama-server: trying its head again (n-max %d)", up.version, spec.n_max)
                 new = Upstream(self.factory.launch(head, spec), version=up.version, head_rule=up.head_rule)
             new.start(self.factory.cfg.engine.start_timeout_s)
-            if self.slot.get() is not up:  # a swap or rollback came first: it decides
+            if not self.slot.swap_if(up, new):  # a swap or rollback came first: it decides
                 new.stop()
                 return
-            self.slot.swap(new)
             self.switches += 1
             up.retire()
         except Exception:
@@ -317,7 +319,7 @@ def start_llama_serving(cfg: Config, *, target: LlamaTarget, tokenizer: object, 
                                max_batch=cfg.engine.parallel, request_timeout_s=options.request_timeout_s,
                                wait_s=cfg.engine.wait_s, vocab_size=vocab_size,
                                baseline=lambda: factory.start("none", None, None),
-                               max_context=cfg.engine.ctx_per_slot)
+                               max_context=cfg.engine.ctx_per_slot, start_timeout_s=cfg.engine.start_timeout_s)
     try:
         server = CompletionServer(worker, tokenizer, model_id=target.model_id, options=options, swapper=swapper,
                                   sink=sink, dead_letters=dead_letters)

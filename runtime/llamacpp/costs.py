@@ -138,17 +138,18 @@ PROBE_PROMPT = list(range(100, 164))  # any 64 ids: a step's cost does not depen
 
 
 def measure_step_costs(launch: Callable[[SpecParams], LaunchSpec], cache: Path, *, max_n: int = MAX_N,
-                       requests: int = 3, tokens: int = 32) -> StepCosts:
+                       requests: int = 3, tokens: int = 32, start_timeout_s: float = 120.0) -> StepCosts:
     """C(0..max_n) for `launch(spec)` (a llama-server with the head at `spec`, or none at
-    SpecParams(0)): seconds per decoding step from llama-server's own timings (generation only),
-    the median of `requests` requests per draft length. Cached in `cache` (a JSON file)."""
+    SpecParams(0), each given `start_timeout_s` to become healthy): seconds per decoding step from
+    llama-server's own timings (generation only), the median of `requests` requests per draft
+    length. Cached in `cache` (a JSON file)."""
     if cache.is_file():
         return StepCosts(tuple(json.loads(cache.read_text())["seconds"]))
     log.info("measuring llama-server's step costs for drafts of 0..%d tokens (once per machine, target and "
              "head architecture)", max_n)
     seconds = []
     for n in range(max_n + 1):
-        up = Upstream(launch(SpecParams(n, 0.0)), version=f"cost-probe-{n}").start()
+        up = Upstream(launch(SpecParams(n, 0.0)), version=f"cost-probe-{n}").start(start_timeout_s)
         try:
             per_step = [_step_seconds(up, tokens) for _ in range(requests + 1)][1:]  # the first warms up
         finally:

@@ -36,6 +36,7 @@ from runtime.trace import DraftCounts, RequestTrace, Timings
 log = logging.getLogger(__name__)
 
 STOP_TYPES = {"eos": "stop", "limit": "length", "word": STOP_STRING}
+STOP_GRACE = 4  # token chunks read past our stop string while waiting for llama-server's final message
 
 
 class LlamaServerWorker:
@@ -45,14 +46,16 @@ class LlamaServerWorker:
                  sink: Any = None,  # noqa: ANN401
                  max_batch: int = 4, topk: int = 8, request_timeout_s: float = 300.0, wait_s: float = 30.0,
                  vocab_size: int | None = None, baseline: Callable[[], Upstream] | None = None,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, start_timeout_s: float = 120.0) -> None:
         """`baseline()` starts a target-only llama-server for requests with `speculate` false (the
-        same-run baseline), once, when the serving upstream drafts."""
+        same-run baseline), once, when the serving upstream drafts. A crashed upstream is restarted
+        with `start_timeout_s` to become healthy ([engine] start_timeout_s: a large model loads slowly)."""
         self.slot, self.queue = slot, queue_
         self._make_baseline, self._baseline = baseline, None
         self.target_model, self.sink, self.max_batch, self.topk = target_model, sink, max_batch, topk
         self.request_timeout_s, self.wait_s, self.vocab_size = request_timeout_s, wait_s, vocab_size
         self.max_context = max_context  # a slot's context: prompt + completion must fit
+        self.start_timeout_s = start_timeout_s
         self.text_stream: Callable[[Job], Any] | None = None
         self.on_result: Callable[[Job], None] = lambda job: None
         # (upstream, stats) of each finished request: the draft rule's live check (online.serving.llama)
@@ -64,6 +67,8 @@ class LlamaServerWorker:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._restart_lock = threading.Lock()
+        self._baseline_lock = threading.Lock()
+        self._baseline_failure: tuple[float, str | None] = (0.0, None)  # when and why its last start failed
 
     # -- ServingBackend -----------------------------------------------------------------------
 
@@ -140,7 +145,7 @@ class LlamaServerWorker:
                 return
             log.error("%s; restarting it", up.exit_reason())
             try:
-                up.start()
+                up.start(self.start_timeout_s)
                 self.restarts += 1
                 log.info("llama-server of drafter %s restarted on port %d", up.version, up.port)
             except UpstreamError as e:
@@ -149,9 +154,9 @@ class LlamaServerWorker:
 
     def _serve(self, job: Job) -> None:
         self._jobs.enter()
-        up = self.slot.get() if job.req.speculate else self._target_only()
-        up.enter()
+        up = None
         try:
+            up = self._upstream(job.req.speculate)
             if job.cancelled:
                 return
             self._wait_ready(up)
@@ -162,7 +167,8 @@ class LlamaServerWorker:
             log.exception("llama-server request %s failed", job.id)
             job.error = (500, "server_error", "internal error while generating; see server log")
         finally:
-            up.leave()
+            if up is not None:
+                up.leave()
             self._jobs.leave()
             self._free.release()
             # as in our engine: what a request did is recorded (metrics, traces, the guard) before its
@@ -175,13 +181,34 @@ class LlamaServerWorker:
                         log.exception("result hook failed after %s", job.id)
             EngineWorker.finish(job)
 
+    def _upstream(self, speculate: bool) -> Upstream:
+        """The upstream a request keeps to its end, entered (counted in flight there). A swap can
+        retire the slot's upstream between `get` and `enter`; a retired one is left for the one
+        that replaced it, so a request is never pinned to a process being stopped."""
+        while True:
+            up = self.slot.get() if speculate else self._target_only()
+            up.enter()
+            if not up.retired or not speculate or self.slot.get() is up:
+                return up
+            up.leave()
+
     def _target_only(self) -> Upstream:
+        """The target-only upstream (`speculate` false) when the slot's drafts, started on first use.
+        A start that fails fails this request with its reason, and for `wait_s` after it every
+        other such request too, without a start of its own (no queue of minutes-long retries)."""
         up = self.slot.get()
         if up.launch.head is None or self._make_baseline is None:
             return up
-        with self._restart_lock:
+        with self._baseline_lock:
             if self._baseline is None:
-                self._baseline = self._make_baseline()
+                failed_at, error = self._baseline_failure
+                if error is not None and time.monotonic() - failed_at < self.wait_s:
+                    raise UpstreamError(f"the target-only llama-server did not start: {error}")
+                try:
+                    self._baseline = self._make_baseline()
+                except UpstreamError as e:
+                    self._baseline_failure = (time.monotonic(), str(e))
+                    raise
             return self._baseline
 
     def stop_upstreams(self) -> None:
@@ -205,27 +232,31 @@ class LlamaServerWorker:
                 "n_probs": self.topk, "cache_prompt": True, "temperature": p.temperature, "top_p": p.top_p,
                 "top_k": 0, "min_p": 0.0, "seed": -1 if p.seed is None else p.seed % (2**32),
                 "samplers": ["top_p", "temperature"]}
+        if req.stop:  # llama-server stops there too, so its final message (the draft counts) comes at once
+            body["stop"] = list(req.stop)
         job.text = self.text_stream(job) if self.text_stream is not None else None
         t0, created = time.perf_counter(), time.time()
         out: list[int] = []
         topk: list[tuple[list[int], list[float]]] = []
         final: dict[str, Any] = {}
-        stopped = False
+        stopped, past_stop = False, 0
         conn, resp = up.open_stream(body, self.request_timeout_s)
         try:
             for data in _sse_data(resp):
                 if job.cancelled:  # the client left: closing the connection cancels the upstream task
                     return
                 ids = [int(t) for t in data.get("tokens") or ()]
-                topk += _topk(data.get("completion_probabilities") or (), len(ids))
-                if ids:
+                if ids and stopped:  # past the stop string: the answer ended; llama-server's end is awaited
+                    past_stop += 1
+                    if past_stop > STOP_GRACE:  # it did not stop where we did: its counts are lost, not the time
+                        break
+                elif ids:
+                    topk += _topk(data.get("completion_probabilities") or (), len(ids))
                     out += ids
                     text = job.text.push(ids) if req.stop else None
                     if req.stream:
                         job.emit((ids, text))
-                    if req.stop and job.text.stopped:
-                        stopped = True
-                        break
+                    stopped = bool(req.stop and job.text.stopped)
                 if data.get("stop"):
                     final = data
                     break
@@ -270,7 +301,10 @@ def _sse_data(resp: Any) -> Any:  # noqa: ANN401 - an http.client response
         payload = line[6:]
         if payload == b"[DONE]":
             return
-        obj = json.loads(payload)
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            raise UpstreamError(f"llama-server sent an event that is not JSON: {payload[:200]!r}") from None
         if "error" in obj:
             raise UpstreamError(f"llama-server error: {obj['error']}")
         yield obj
