@@ -8,6 +8,7 @@ import logging
 import os
 import pkgutil
 import sys
+import threading
 
 import online.commands
 
@@ -38,9 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from online.commands.daemon import exit_on_termination
     from online.config import ConfigError
     from runtime.errors import LivedraftError
 
+    restore = exit_on_termination() if threading.current_thread() is threading.main_thread() else None
     try:
         return int(args.func(args) or 0)
     except (LivedraftError, ConfigError) as e:
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if restore is not None:
+            restore()
 
 
 if __name__ == "__main__":

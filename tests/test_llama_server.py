@@ -110,7 +110,8 @@ def test_completions_are_logged_as_engine_neutral_traces(llama):
 
 def test_streaming_equals_the_whole_answer_and_stop_strings_end_it(llama):
     _, _, tok, _ = llama
-    h = _serve(llama)
+    sink = MemorySink()
+    h = _serve(llama, sink=sink)
     try:
         prompt = _ids(tok, PROMPTS[5])
         _, whole = complete(h.url, {"prompt": prompt, "max_tokens": 16})
@@ -125,6 +126,10 @@ def test_streaming_equals_the_whole_answer_and_stop_strings_end_it(llama):
         status, cut = complete(h.url, {"prompt": prompt, "max_tokens": 16, "stop": [word]})
         assert status == 200 and cut["choices"][0]["finish_reason"] == "stop"
         assert word not in cut["choices"][0]["text"]
+        # llama-server stopped there too: its final message, with its timings, was read
+        assert sink.flush(10)
+        trace = sink.events[-1]
+        assert trace.output_ids == cut["livedraft"]["output_ids"] and trace.timings.prefill_s > 0
     finally:
         h.stop(10)
 

@@ -239,3 +239,68 @@ def test_the_guards_counts_go_with_their_upstream():
     del up
     gc.collect()
     assert len(guard._counts) == 0
+
+
+FAKE_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+PARENT = """
+import signal, sys, time
+from pathlib import Path
+from online.commands.daemon import exit_on_termination
+from runtime.llamacpp.upstream import LaunchSpec, Upstream
+
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's session, whatever ran the tests (nohup ignores it)
+exit_on_termination()  # what `livedraft` (online.cli.main) installs before any command runs
+up = Upstream(LaunchSpec(binary=Path(sys.argv[1]), model=Path("t.gguf"))).start(30)
+print(up.process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_our_llama_server_processes_end_with_us(tmp_path, sig):
+    """llama-server runs in its own session, so only our exit hook stops it: a SIGTERM before a
+    command's drain handlers are in place (a minutes-long startup), or a SIGHUP (a closed
+    terminal), used to end Python without its exit hooks and leave llama-server running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    fake.chmod(0o755)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(fake)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(child, 0)  # running
+        parent.send_signal(getattr(signal, sig))
+        assert parent.wait(20) == 128 + getattr(signal, sig)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail(f"llama-server (pid {child}) outlived livedraft after {sig}")
+    finally:
+        parent.kill()
+        parent.wait()

@@ -27,10 +27,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _hangup() -> tuple[signal.Signals, ...]:
+    """SIGHUP where the platform has it and it is not ignored (`nohup` asks for a process that outlives
+    its terminal)."""
+    s = getattr(signal, "SIGHUP", None)
+    return (s,) if s is not None and signal.getsignal(s) is not signal.SIG_IGN else ()
+
+
+def exit_on_termination() -> Callable[[], None]:
+    """Until a command installs its own handlers (install_stop_signals): SIGTERM and SIGHUP exit
+    through Python (SystemExit, code 128 + the signal) instead of ending the process at once, so
+    exit hooks run: the llama-server processes we started run in their own session and would
+    otherwise outlive us, holding their port and memory. Returns a function restoring the previous
+    handlers. Main thread only."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, *_hangup())
+                if signal.getsignal(s) in (signal.SIG_DFL, None)}
+    for s in previous:
+        signal.signal(s, handler)
+    return lambda: [signal.signal(s, h or signal.SIG_DFL) for s, h in previous.items()] and None
+
+
 def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
-    """SIGTERM and SIGINT set `stop` (a second one still interrupts); returns a function restoring the
-    previous handlers. Main thread only."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop` (a second one still interrupts);
+    returns a function restoring the previous handlers. Main thread only."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, *_hangup())}
 
     def handler(signum: int, _frame: object) -> None:
         if stop.is_set():
