@@ -125,6 +125,7 @@ class Upstream:
         except OSError as e:
             raise UpstreamError(f"cannot run llama-server {self.launch.binary}: {e.strerror or e}") from e
         _LIVE.add(self)
+        log.info("llama-server for drafter %s: pid %d, port %d", self.version, self.process.pid, self.port)
         self._reader = threading.Thread(target=self._read_log, name=f"llama-server-log-{self.port}", daemon=True)
         self._reader.start()
         try:
