@@ -241,7 +241,8 @@ def test_swaps_under_streaming_load_fail_nothing_and_keep_greedy_outputs(llama, 
             time.sleep(1.0)
             source.wanted = "2"
             wait_until(lambda: h.swapper.version == "2", timeout_s=60, what="the swap to 2")
-            time.sleep(1.0)
+            # version 2 serves until a request has finished on it (a loaded machine answers slowly)
+            wait_until(lambda: "2" in seen, timeout_s=120, what="a request served by version 2")
             source.wanted = "3"
             wait_until(lambda: h.swapper.version == "3", timeout_s=60, what="the swap to 3")
             swapped.set()

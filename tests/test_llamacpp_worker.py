@@ -304,3 +304,27 @@ def test_our_llama_server_processes_end_with_us(tmp_path, sig):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_target_conversion_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A failed (or interrupted) conversion of the target to GGUF used to leave a full-size
+    `.partial` file in the cache; it is removed, and the next start converts again."""
+    import runtime.llamacpp.convert as convert
+    from online.config import Config
+    from online.serving.llama import resolve_llama_target
+
+    hf = tmp_path / "tiny-model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    cfg = Config(data_dir=str(tmp_path / "data"))
+    cfg.models.cache_dir = str(tmp_path / "cache")
+
+    def half_written(hf_dir, out, outtype, *, locations=None):
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_bytes(b"GGUF" + b"\0" * 1024)
+        raise convert.LivedraftError("convert_hf_to_gguf.py failed: out of disk")
+
+    monkeypatch.setattr(convert, "hf_to_gguf", half_written)
+    with pytest.raises(convert.LivedraftError, match="out of disk"):
+        resolve_llama_target(str(hf), cfg)
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -76,9 +77,12 @@ def resolve_llama_target(spec: str, cfg: Config) -> LlamaTarget:
     out = Path(cfg.models.cache_dir).expanduser() / "gguf" / f"{path.name}-{key}-{cfg.engine.target_type}.gguf"
     if not out.is_file():
         log.warning("writing %s as GGUF (%s) for llama-server: %s (once)", path, cfg.engine.target_type, out)
-        tmp = out.with_suffix(".partial")
-        hf_to_gguf(hf_dir, tmp, cfg.engine.target_type, locations=llamacpp_locations(cfg))
-        tmp.replace(out)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")  # a conversion that fails leaves nothing
+        try:
+            hf_to_gguf(hf_dir, tmp, cfg.engine.target_type, locations=llamacpp_locations(cfg))
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return LlamaTarget(out, hf_dir, model_id)
 
 
