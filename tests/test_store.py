@@ -221,3 +221,16 @@ def test_dead_letter_text_is_made_storable(store):
     (d,) = store.dead_letters()
     assert d.reason.startswith("bad \\x00 value") and len(d.reason) == 4000
     assert len(d.source) == 256 and "\x00" not in d.source and d.payload == b"\x00"
+
+
+def test_an_in_memory_sqlite_store_opens_and_keeps_traces():
+    """The WAL switch looped until the mode read "wal": an in-memory database answers "memory"
+    for ever, so opening `sqlite://` spun at full CPU and never returned."""
+    opened: list[Store] = []
+    t = threading.Thread(target=lambda: opened.append(Store.open("sqlite://")), daemon=True)
+    t.start()
+    t.join(20)
+    assert opened, "Store.open('sqlite://') did not return"
+    with opened[0] as s:
+        trace = synthetic_trace(random.Random(0), prompt_len=4, output_len=4)
+        assert s.write_batch([trace]).inserted == 1 and s.window() == [trace]

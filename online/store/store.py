@@ -10,6 +10,7 @@ gaps (a skipped duplicate or a rolled-back insert can consume an id).
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -307,14 +308,17 @@ class Store:
 
 _STR_LIMITS = {c.name: c.type.length for c in m.Trace.__table__.columns
                if isinstance(c.type, sa.String) and c.type.length}
+_NUMBERS = {c.name: c.type for c in m.Trace.__table__.columns
+            if isinstance(c.type, (sa.Integer, sa.Float)) and not c.primary_key}
 _INT64 = (-(2**63), 2**63 - 1)
 _INT32 = (-(2**31), 2**31 - 1)
 
 
 def trace_problem(t: RequestTrace) -> str | None:
     """Why `t` cannot be stored on every supported database (None when it can): strings
-    longer than their columns or containing NUL (PostgreSQL rejects both), integers out of
-    their column's range. The collector dead-letters such traces instead of failing the batch."""
+    longer than their columns or containing NUL (PostgreSQL rejects both), numbers out of
+    their column's range (integers too large, NaN or infinite floats, a sum of draft counts
+    included). The collector dead-letters such traces instead of failing the batch."""
     for name, limit in _STR_LIMITS.items():
         v = getattr(t, name)
         if v is None:
@@ -323,10 +327,21 @@ def trace_problem(t: RequestTrace) -> str | None:
             return f"{name} is {len(v)} characters, the store keeps at most {limit}"
         if "\x00" in v:
             return f"{name} contains a NUL character"
-    if t.seed is not None and not _INT64[0] <= t.seed <= _INT64[1]:
-        return f"seed {t.seed} does not fit a signed 64-bit integer"
-    if not _INT32[0] <= t.max_new_tokens <= _INT32[1]:
-        return f"max_new_tokens {t.max_new_tokens} does not fit a 32-bit integer"
+    row = _trace_row(t, b"")
+    for name, kind in _NUMBERS.items():
+        v = row[name]
+        if v is None:
+            continue
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            return f"{name} is {type(v).__name__}, not a number"
+        if isinstance(kind, sa.Float):
+            if not math.isfinite(v):  # SQLite stores NaN as NULL, PostgreSQL keeps it: neither is a time or a rate
+                return f"{name} is {v}, not a finite number"
+        elif isinstance(kind, sa.BigInteger):
+            if not _INT64[0] <= v <= _INT64[1]:
+                return f"{name} {v} does not fit a signed 64-bit integer"
+        elif not _INT32[0] <= v <= _INT32[1]:
+            return f"{name} {v} does not fit a 32-bit integer"
     return None
 
 
@@ -405,10 +420,12 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
         # exclusive lock and SQLite does not always run the busy handler for it, so
         # several processes creating the same file at once may see "database is locked":
         # retry for as long as the busy timeout would have waited.
+        # An in-memory database has no WAL ("memory" stays): one try, then it keeps its mode.
         deadline = time.monotonic() + 30.0
         while cur.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
             try:
                 cur.execute("PRAGMA journal_mode=WAL")
+                break
             except sqlite3.OperationalError as e:
                 if "locked" not in str(e) or time.monotonic() > deadline:
                     raise
