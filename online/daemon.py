@@ -123,7 +123,7 @@ class Daemon:
             self._pruner.join(timeout_s + 30)  # a pass in progress finishes its chunk
         collected = 0
         try:
-            collected = self.collector.drain().collected
+            collected = self.collector.drain(timeout_s).collected
         except Exception:
             log.exception("daemon: the final collector pass failed; uncommitted records stay in the stream")
         for m in (self.cache, self.bridge):

@@ -167,3 +167,94 @@ def test_traces_the_store_cannot_hold_become_dead_letters(store):
     assert store.window() == [ok]
     assert sorted(d.offset for d in store.dead_letters()) == [1, 2, 3]
     assert all(d.reason.startswith("not storable: ") for d in store.dead_letters())
+
+
+def test_numbers_the_store_cannot_hold_become_dead_letters_not_a_stuck_batch(store):
+    """NaN or infinite floats and draft counts past their integer column used to fail the whole
+    batch on every retry: collection stopped there for good, the good traces behind them too."""
+    from runtime.trace import DraftCounts
+
+    ok, nan_temp, inf_time, huge_counts, ok2 = traces(5)
+    nan_temp.temperature = float("nan")
+    inf_time.created_at = float("inf")
+    huge_counts.steps, huge_counts.counts = [], DraftCounts(1, 2**40, 0)  # an engine that logs counts only
+    stream = MemoryStream()
+    for t in (ok, nan_temp, inf_time, huge_counts, ok2):
+        stream.append(encode_trace(t), "k")
+    st = Collector(stream.source("g"), store, poll_timeout_s=0.01).run_once()
+    assert (st.collected, st.dead_letters) == (2, 3)
+    reasons = sorted(d.reason for d in store.dead_letters())
+    assert any("temperature is nan" in r for r in reasons) and any("created_at is inf" in r for r in reasons)
+    assert any("drafted 1099511627776 does not fit a 32-bit integer" in r for r in reasons)
+
+
+def test_a_drain_at_shutdown_ends_though_traffic_keeps_coming(store):
+    """Draining used to run until a poll came back empty: a producer writing faster than the poll
+    timeout held a daemon's shutdown forever. With a timeout it stops, and commits only what it
+    stored (the rest waits for the next start)."""
+    import time
+
+    stream = MemoryStream()
+    stop = threading.Event()
+    rng = random.Random(3)
+
+    def produce():
+        while not stop.is_set():
+            stream.append(encode_trace(synthetic_trace(rng, prompt_len=4, output_len=4)), "k")
+            time.sleep(0.002)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    try:
+        source = stream.source("g")
+        collector = Collector(source, store, poll_timeout_s=0.2, batch_max_records=20)
+        t0 = time.monotonic()
+        total = collector.drain(timeout_s=1.0)
+        assert time.monotonic() - t0 < 10 and total.collected > 0
+    finally:
+        stop.set()
+        producer.join(5)
+    assert len(store.window()) == total.collected
+
+
+def test_kafka_never_commits_a_failed_batch_through_a_later_poll_of_another_partition():
+    """A batch from partitions A and B fails to store and is rewound; the next poll returns A
+    only. Its commit used to send B's offset from the failed batch too: B's records, never
+    stored, were skipped for good after a restart."""
+    from types import SimpleNamespace
+
+    from kafka.structs import TopicPartition
+
+    from online.stream.kafka import KafkaSource
+
+    a, b = TopicPartition("t", 0), TopicPartition("t", 1)
+
+    def rec(tp, offset):
+        return SimpleNamespace(value=b"x", key=None, partition=tp.partition, offset=offset, timestamp=0)
+
+    class Consumer:
+        def __init__(self):
+            self.batches = [{a: [rec(a, 0)], b: [rec(b, 0)]}, {a: [rec(a, 0)]}]
+            self.committed, self.sought = {}, []
+
+        def poll(self, timeout_ms, max_records):
+            return self.batches.pop(0)
+
+        def commit(self, offsets):
+            self.committed.update({tp: o.offset for tp, o in offsets.items()})
+
+        def assignment(self):
+            return {a, b}
+
+        def seek(self, tp, offset):
+            self.sought.append((tp.partition, offset))
+
+    source = KafkaSource.__new__(KafkaSource)  # no broker: the consumer is the fake above
+    source._consumer, source._uncommitted, source._seeks = Consumer(), {}, {}
+    source.group, source.commit_failures = "g", 0
+    assert len(source.poll()) == 2
+    source.seek({0: 0, 1: 0})  # what Collector._rewind does after the failed write
+    assert sorted(source._consumer.sought) == [(0, 0), (1, 0)]
+    assert len(source.poll()) == 1
+    source.commit()
+    assert source._consumer.committed == {a: 1}

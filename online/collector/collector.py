@@ -101,13 +101,21 @@ class Collector:
         self.batches += 1
         return stats
 
-    def drain(self) -> CollectStats:
-        """Runs batches until a poll comes back empty (the stream is caught up); returns the total."""
+    def drain(self, timeout_s: float | None = None) -> CollectStats:
+        """Runs batches until a poll comes back empty (the stream is caught up), or, with
+        `timeout_s`, until that many seconds have passed: a producer that keeps writing must not
+        hold a shutdown forever (what is left stays uncommitted, for the next start). Returns
+        the total."""
         total = CollectStats()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             stats = self.run_once()
             total.add(stats)
             if not stats.records:
+                return total
+            if deadline is not None and time.monotonic() >= deadline:
+                log.warning("collector: stopped draining after %.0fs (%d records stored); the stream still has "
+                            "records, which the next start collects", timeout_s, total.records)
                 return total
 
     def run(self, stop: threading.Event, *, retry_max_s: float = 30.0) -> None:

@@ -407,8 +407,12 @@ class KafkaSource:
 
     def seek(self, offsets: dict[int, int]) -> None:
         """Next `poll` reads partition p from `offsets[p]`; partitions not assigned yet are sought
-        when the group assigns them to this member."""
+        when the group assigns them to this member. What `poll` returned of those partitions is
+        no longer committed by `commit` (a failed batch: another partition's later poll must not
+        commit it unstored); it is committed once read again."""
         self._seeks.update(offsets)
+        for tp in [tp for tp in self._uncommitted if tp.partition in offsets]:
+            del self._uncommitted[tp]
         self._apply_seeks(self._consumer.assignment())
 
     def _apply_seeks(self, assigned: Any) -> None:
