@@ -147,6 +147,7 @@ class SqlSink:
         self.emitted = self.dropped = self.failed = self.written = 0
         self._owns_store = owns_store
         self._closed = False
+        self._late_lost = 0  # of `dropped`: events a close gave up on while the writer still held them
         self._queue: queue.Queue[object] = queue.Queue(queue_size)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="livedraft-sql-sink", daemon=True)
@@ -184,17 +185,24 @@ class SqlSink:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Flushes, stops the writer thread, and closes the store if this sink opened it.
-        Blocks up to about 3 x `timeout_s` when the database is stuck; events still queued
-        then are not acknowledged (and are lost when the process exits)."""
+        Blocks up to about 3 x `timeout_s` when the database is stuck; events not written by
+        then are counted in `dropped` and logged (lost when the process exits; one the writer
+        still commits afterwards moves back to `written`)."""
         ok = self.flush(timeout_s)
         with self._cond:
             self._closed = True
         try:
             self._queue.put(_STOP, timeout=timeout_s)  # room appears as the writer drains
         except queue.Full:
-            log.warning("sql sink: writer still busy after %.1fs; %d events unacknowledged", timeout_s,
-                        self._queue.qsize())
+            pass
         self._thread.join(timeout_s)
+        with self._cond:
+            lost = self.emitted - self.written - self.failed - self._late_lost
+            if lost > 0:
+                self.dropped += lost
+                self._late_lost += lost
+        if lost > 0:
+            log.error("sql sink closed with %d events not written (the database is stuck?)", lost)
         if self._owns_store and ok and not self._thread.is_alive():
             self.store.close()
 
@@ -237,6 +245,9 @@ class SqlSink:
         with self._cond:
             self.written += written
             self.failed += failed
+            late = min(written + failed, self._late_lost)  # counted as dropped by a close that gave up on them
+            self._late_lost -= late
+            self.dropped -= late
             self._cond.notify_all()
 
 
