@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -52,11 +53,25 @@ def derive_drafter(
         meta["kept_ids"] = top_token_ids(target, vocab_top, text_file)
         meta["version"] += f"-v{len(meta['kept_ids'])}"
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    drafter.save_pretrained(out)
-    if target.tokenizer is not None:
-        target.tokenizer.save_pretrained(out)
-    (out / DRAFTER_META).write_text(json.dumps(meta))
+    # written beside `out`, then moved in: a derivation cut short (a kill, a full disk) never leaves a
+    # directory that has a config.json and so reads as a whole drafter to the next start
+    tmp = out.parent / f".{out.name}.{os.getpid()}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        drafter.save_pretrained(tmp)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(tmp)
+        (tmp / DRAFTER_META).write_text(json.dumps(meta))
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if out.is_dir():  # a directory with other files in it: ours replace their namesakes
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("derived drafter %s: %d of %d layers -> %s", meta["version"], layers, total, out)
     return out
 

@@ -86,3 +86,27 @@ def test_the_warm_start_prompts_are_distinct_and_the_held_out_ones_span_the_doma
     heldout = prompts[-bootstrap.WARM_START_HELDOUT :]
     assert len({domain_of[p] for p in heldout}) >= 2
     assert bootstrap.warm_start_prompts(domains) == prompts  # seeded
+
+
+def test_a_derivation_cut_short_is_derived_again_not_read_as_whole(stories, tmp_path, monkeypatch):
+    """save_pretrained writes config.json before the weights: a derivation killed in between used
+    to leave a directory the next start took for a whole drafter (and registered as champion).
+    It is written beside its place and moved in once whole."""
+    from online.trainer.bootstrap import initial_drafter_dir
+    from runtime.loader import DRAFTER_META
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    cfg = Config(data_dir=str(tmp_path))
+    assert stories.tokenizer is not None
+    monkeypatch.setattr(stories.tokenizer, "save_pretrained", killed)  # after the model's config and weights
+    with pytest.raises(Killed):
+        initial_drafter_dir(cfg, "stories", 1, lambda: stories)
+    assert list((cfg.data_path / "drafters").iterdir()) == []
+    monkeypatch.undo()
+    out = initial_drafter_dir(cfg, "stories", 1, lambda: stories)
+    assert (out / "config.json").is_file() and (out / DRAFTER_META).is_file()
