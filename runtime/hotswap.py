@@ -40,14 +40,20 @@ class DrafterSource(Protocol):
     thread) and raises on failure; the drafter it returns is relabelled with
     `ref.version` if it says otherwise (traces and the rollback windows key on
     it). `report_rollback` records a rollback (e.g. tags the version and moves
-    the champion alias back); an exception there is logged, not raised.
+    the champion alias back); it returns False, or raises, when it could not, and
+    the swapper tries again (REPORT_RETRY_S) so the registry does not keep
+    naming a version the runtime left.
     """
 
     def current(self) -> DrafterRef | None: ...
 
     def load(self, ref: DrafterRef) -> Drafter: ...
 
-    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> None: ...
+    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> bool | None: ...
+
+
+# a rollback report that failed (the registry unreachable) is tried again after these waits: ~9 min in all
+REPORT_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 @dataclass
@@ -255,10 +261,19 @@ class HotSwapper:
         return event
 
     def _report(self, bad: DrafterRef, reason: str, numbers: dict[str, float]) -> None:
-        try:
-            self.source.report_rollback(bad, reason, numbers)
-        except Exception:
-            log.exception("could not record the rollback of %s", bad.version)
+        for attempt, delay in enumerate((*REPORT_RETRY_S, None), start=1):
+            try:
+                if self.source.report_rollback(bad, reason, numbers) is not False:
+                    return
+                why = "the source could not record it"
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+            if delay is None or self._stop.is_set():
+                log.error("could not record the rollback of %s after %d attempts (%s): the registry may still "
+                          "name it champion", bad.version, attempt, why)
+                return
+            log.warning("could not record the rollback of %s (%s); trying again in %.0fs", bad.version, why, delay)
+            self._stop.wait(delay)
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Blocks until rollbacks reported so far reached the source (or `timeout_s` passed)."""

@@ -204,3 +204,31 @@ def test_rollback_config_rejects_what_it_cannot_use():
     for bad in ({"window": 0}, {"min_requests": 0}, {"max_drop": 1.5}, {"z": -1.0}):
         with pytest.raises(ValueError, match="rollback"):
             RollbackConfig(**bad)
+
+
+def test_a_rollback_report_the_registry_missed_is_tried_again(monkeypatch):
+    """The report of a rollback used to be tried once: with the registry away at that moment it
+    still named the collapsed version champion (the trainer trained on it, a restart served it)."""
+    import runtime.hotswap as hotswap
+
+    class Flaky(FakeSource):
+        def __init__(self):
+            super().__init__({})
+            self.answers = [False, RuntimeError("tracking server restarting"), True]
+
+        def report_rollback(self, ref, reason, numbers):
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            if answer:
+                super().report_rollback(ref, reason, numbers)
+            return answer
+
+    monkeypatch.setattr(hotswap, "REPORT_RETRY_S", (0.01, 0.01, 0.01))
+    source = Flaky()
+    swapper = HotSwapper(DrafterSlot(PromptLookupDrafter()), source, initial=DrafterRef("1"))
+    swapper._report(DrafterRef("2"), "collapsed", {})
+    assert [v for v, _, _ in source.rollbacks] == ["2"] and source.answers == []
+    source.answers = [False] * 4  # never recorded: given up after the last wait, logged
+    swapper._report(DrafterRef("3"), "collapsed", {})
+    assert source.answers == [] and [v for v, _, _ in source.rollbacks] == ["2"]

@@ -29,5 +29,5 @@ class HybridDrafterSource:
         model = self.inner.load(ref)
         return HybridDrafter(SuffixDrafter(self.cache), model, self.threshold)
 
-    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> None:
-        self.inner.report_rollback(ref, reason, numbers)
+    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> bool | None:
+        return self.inner.report_rollback(ref, reason, numbers)

@@ -66,13 +66,15 @@ class RegistryDrafterSource:
         ref = self.ref(local.version)
         return ref, load_drafter(local.path, self.target, version=ref.version)
 
-    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> None:
-        """Tags the version rolled back and moves `champion` back to `previous`; logs failures."""
+    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> bool:
+        """Tags the version rolled back and moves `champion` back to `previous`. Logs a failure and
+        returns False (the hot-swapper tries again), never raises."""
         try:
             back_to = self.registry.tag_rolled_back(int(ref.version), numbers, reason=reason)
         except Exception:
             log.exception("drafter source: could not record the rollback of %s version %s",
                           self.registry.name, ref.version)
-            return
+            return False
         log.warning("drafter source: version %s of %s rolled back (%s); champion is now %s",
                     ref.version, self.registry.name, reason, back_to)
+        return True

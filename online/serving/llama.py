@@ -243,8 +243,8 @@ class GgufHeadSource:
         if up.version.isdigit():
             self._log(int(up.version), {"llama_server_requests_served": up.served})
 
-    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> None:
-        self.inner.report_rollback(ref, reason, numbers)
+    def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> bool | None:
+        return self.inner.report_rollback(ref, reason, numbers)
 
     def _log(self, version: int, metrics: dict[str, float]) -> None:
         try:
