@@ -178,3 +178,22 @@ def test_ui_server_serves_the_registry(registry):
     finally:
         ui.stop()
     assert ui.process.returncode is not None
+
+
+def test_a_rolled_back_version_never_becomes_previous_or_champion_again(tmp_path, stories_drafter_dir):
+    """A round promotes C while B's rollback report is still on its way: B, tagged rolled back
+    once the report lands, must not be where a later rollback of C returns to."""
+    reg = DrafterRegistry.from_config(Config(data_dir=str(tmp_path)))
+    reg.bootstrap(stories_drafter_dir)  # A = 1
+    for name in ("b", "c"):
+        reg.log_round(round_result(candidate_dir(stories_drafter_dir, tmp_path / name, f"cand-{name}"),
+                                   f"cand-{name}", "1", False))
+    reg.promote(2)  # B is champion, A previous
+    reg.client.set_model_version_tag(reg.name, "2", "rolled_back", "true")  # the runtime left B; the alias lagged
+    reg.promote(3)  # C: previous stays A, not B
+    assert reg.champion_version() == 3 and reg._alias("previous") == 1
+    assert reg.tag_rolled_back(3, {}) == 1
+    reg.promote(2)  # by hand, a rolled-back version may still be made champion ...
+    reg.client.set_model_version_tag(reg.name, "1", "rolled_back", "true")
+    reg.client.set_registered_model_alias(reg.name, "previous", "1")
+    assert reg.tag_rolled_back(2, {}) == 2  # ... but a rollback never returns to one

@@ -284,8 +284,9 @@ class DrafterRegistry:
         return LoggedRound(run_id, version, promote)
 
     def promote(self, version: int) -> None:
-        """Moves `champion` to `version`; the old champion becomes `previous`. Raises RegistryError
-        for an unknown version."""
+        """Moves `champion` to `version`; the old champion becomes `previous`, unless it was rolled
+        back (a rollback report that came late): `previous` then stays, so a later rollback never
+        returns to a version the runtime already left. Raises RegistryError for an unknown version."""
         from mlflow.exceptions import MlflowException
 
         current = self.champion_version()
@@ -295,7 +296,7 @@ class DrafterRegistry:
             self.client.get_model_version(self.name, str(version))
         except MlflowException as e:
             raise RegistryError(f"{self.name} has no version {version}: pick one from history()") from e
-        if current is not None:
+        if current is not None and not self._rolled_back(current):
             self.client.set_registered_model_alias(self.name, PREVIOUS, str(current))
         self.client.set_registered_model_alias(self.name, CHAMPION, str(version))
         self.set_trainee(None)  # a new champion starts the lineage again (a round's trainer sets it after)
@@ -316,15 +317,18 @@ class DrafterRegistry:
         champion, previous = self.champion_version(), self._alias(PREVIOUS)
         if champion != version:
             return champion
-        if previous is None:
-            log.warning("registry: version %d rolled back but has no %r version to return to; it stays champion",
-                        version, PREVIOUS)
+        if previous is None or self._rolled_back(previous):
+            log.warning("registry: version %d rolled back but has no %r version to return to%s; it stays champion",
+                        version, PREVIOUS, "" if previous is None else f" (version {previous} was rolled back too)")
             return champion
+        self.set_trainee(None)  # the lineage grew from the version rolled back: start again from the champion
         self.client.set_registered_model_alias(self.name, CHAMPION, str(previous))
         self.client.delete_registered_model_alias(self.name, PREVIOUS)
-        self.set_trainee(None)  # the lineage grew from the version rolled back: start again from the champion
         log.warning("registry: rolled %s back from version %d to %d", self.name, version, previous)
         return previous
+
+    def _rolled_back(self, version: int) -> bool:
+        return self.client.get_model_version(self.name, str(version)).tags.get("rolled_back") == "true"
 
     def history(self) -> list[VersionInfo]:
         """All versions, newest first, with their aliases and tags; [] before bootstrap."""
