@@ -296,3 +296,19 @@ def test_rounds_train_where_the_target_is_else_on_the_configured_device(tmp_path
     cfg.models.device = "tpu"
     with pytest.raises(ModelLoadError, match="choose cpu, cuda"):
         TrainerService(cfg, FakeStore(50), FakeRegistry(tmp_path), round_fn=round_fn)
+
+
+def test_round_directories_a_killed_trainer_left_are_removed_at_start(tmp_path):
+    """A kill mid-round used to leave its candidate (and optimizer state) in work_dir for good;
+    the kept lineage directory is not a round's and stays."""
+    svc, _ = service(tmp_path, FakeStore(0), lambda *a, **kw: fake_result(), interval_s=0, min_new_traces=0)
+    left = svc.work_dir / "round-20261128T000000-abc123"
+    (left / "cand").mkdir(parents=True)
+    (left / "cand" / "optimizer.pt").write_bytes(b"x" * 1000)
+    kept = svc.work_dir / LINEAGE_DIR / "v3"
+    kept.mkdir(parents=True)
+    svc.start()
+    try:
+        assert not left.exists() and kept.is_dir()
+    finally:
+        assert svc.stop(timeout_s=5)

@@ -276,8 +276,17 @@ class TrainerService:
         return job
 
     def start(self) -> None:
-        """Starts the BackgroundScheduler with both triggers; returns at once."""
+        """Starts the BackgroundScheduler with both triggers; returns at once. Round directories a
+        killed trainer left in work_dir (a candidate and its optimizer state each) are removed first:
+        nothing had registered them, and their traces are still in the store."""
         from apscheduler.schedulers.background import BackgroundScheduler
+
+        left = sorted(self.work_dir.glob("round-*")) if self.work_dir.is_dir() else []
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True)
+        if left:
+            log.warning("trainer: removed %d round director%s an earlier trainer left unfinished in %s", len(left),
+                        "y" if len(left) == 1 else "ies", self.work_dir)
 
         # A check that finds a round still running is skipped by design (max_instances=1): keep
         # APScheduler's per-run chatter and that skip warning out of the daemon's log.
