@@ -82,6 +82,7 @@ class JsonErrorProtocol(H11Protocol):
         super().connection_made(transport)
         self._arm_header_timer()
         self._error_hint = 400
+        self._line_seen = False  # the current request line has ended (a newline arrived)
         next_event = self.conn.next_event
 
         def remembering_next_event() -> Any:  # noqa: ANN401 - an h11 event
@@ -95,6 +96,10 @@ class JsonErrorProtocol(H11Protocol):
 
         self.conn.next_event = remembering_next_event
 
+    def data_received(self, data: bytes) -> None:
+        self._line_seen = self._line_seen or b"\n" in data
+        super().data_received(data)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
@@ -106,12 +111,17 @@ class JsonErrorProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._line_seen = False
         self._arm_header_timer()  # the next request on this connection
 
     def send_400_response(self, msg: str) -> None:
         too_large = self._error_hint == 431  # the request line and headers passed the size limit
-        status, reason = (431, b"Request Header Fields Too Large") if too_large else (400, b"Bad Request")
-        text = "request headers are too large" if too_large else f"malformed HTTP request: {msg}"
+        if too_large and not self._line_seen:  # the request line alone: however its bytes arrived, a 414
+            status, reason, text = 414, b"URI Too Long", f"the URL is longer than {MAX_URL_CHARS} characters"
+        elif too_large:
+            status, reason, text = 431, b"Request Header Fields Too Large", "request headers are too large"
+        else:
+            status, reason, text = 400, b"Bad Request", f"malformed HTTP request: {msg}"
         body = json.dumps(error_body(text, "invalid_request_error")).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
