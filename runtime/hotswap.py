@@ -52,6 +52,9 @@ class DrafterSource(Protocol):
     def report_rollback(self, ref: DrafterRef, reason: str, numbers: dict[str, float]) -> bool | None: ...
 
 
+# a version that failed to load (a registry or artifact store briefly away, a machine short of memory) is
+# tried again after these waits; after the last it is given up (rejected) until another version comes
+LOAD_RETRY_S = (30.0, 120.0, 600.0)
 # a rollback report that failed (the registry unreachable) is tried again after these waits: ~9 min in all
 REPORT_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -140,6 +143,7 @@ class HotSwapper:
         self._current_ref = initial or DrafterRef(slot.get().version)
         _label(slot.get(), self._current_ref.version)
         self._rejected: set[str] = set()
+        self._retries: dict[str, tuple[int, float]] = {}  # version -> (failed loads, monotonic time of the next)
         self._reports: list[threading.Thread] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -180,12 +184,16 @@ class HotSwapper:
         """One check of the source; blocks while it loads a new version, then swaps it in.
 
         Returns the event (swap or load_failed), or None when nothing changed. A
-        version that failed to load or was rolled back is not tried again.
+        version that failed to load is tried again after each of LOAD_RETRY_S, then
+        not again; one that was rolled back is not tried again.
         Exceptions from `source.current()` propagate (the watcher logs them).
         """
         with self._poll_lock:
             ref = self.source.current()
             if ref is None or ref.version == self.version or ref.version in self._rejected:
+                return None
+            failed, retry_at = self._retries.get(ref.version, (0, 0.0))
+            if time.monotonic() < retry_at:
                 return None
             t0 = time.perf_counter()
             try:
@@ -193,10 +201,18 @@ class HotSwapper:
             except Exception as e:  # a bad version must never stop the current one serving
                 with self._lock:
                     self.load_failures += 1
-                    self._rejected.add(ref.version)
-                log.error("drafter version %s failed to load, keeping %s: %s", ref.version, self.version, e)
+                    if failed < len(LOAD_RETRY_S):
+                        self._retries[ref.version] = (failed + 1, time.monotonic() + LOAD_RETRY_S[failed])
+                        then = f"; trying it again in {LOAD_RETRY_S[failed]:.0f}s"
+                    else:
+                        self._retries.pop(ref.version, None)
+                        self._rejected.add(ref.version)
+                        then = f"; given up after {failed + 1} attempts"
+                log.error("drafter version %s failed to load, keeping %s: %s%s", ref.version, self.version, e, then)
                 return self._record(SwapEvent(time.time(), self.version, ref.version, "load_failed",
                                               detail=f"{type(e).__name__}: {e}"))
+            with self._lock:
+                self._retries.pop(ref.version, None)
             _label(drafter, ref.version)
             load_s = time.perf_counter() - t0
             with self._swap_lock:
@@ -223,6 +239,7 @@ class HotSwapper:
                 "last_swap_load_s": self.last_load_s,
                 "rolling_mean_acceptance_length": {v: round(w.mal, 4) for v, w in self._windows.items()},
                 "rejected_versions": sorted(self._rejected),
+                "retrying_versions": {v: n for v, (n, _) in sorted(self._retries.items())},
                 "history": [dict(e.__dict__) for e in self.events[-50:]],
             }
 

@@ -83,9 +83,13 @@ def test_greedy_outputs_identical_across_swaps(stories, stories_drafter_dir, cas
     assert source.loads == ["v2", "v3", "v4"]
 
 
-def test_load_failure_keeps_the_current_drafter(stories, stories_drafter_dir, cases):
+def test_load_failure_keeps_the_current_drafter(stories, stories_drafter_dir, cases, monkeypatch):
+    import runtime.hotswap as hotswap
+
     def broken() -> Drafter:
         return load_model_drafter(stories_drafter_dir / "missing", stories)
+
+    monkeypatch.setattr(hotswap, "LOAD_RETRY_S", (600.0,))  # one retry, after 10 minutes
 
     v1 = load_model_drafter(stories_drafter_dir, stories, version="v1")
     source = FakeSource({"v2": broken})
@@ -95,11 +99,38 @@ def test_load_failure_keeps_the_current_drafter(stories, stories_drafter_dir, ca
     assert event.kind == "load_failed" and event.to_version == "v2" and "not found" in event.detail
     assert engine.slot.get() is v1 and swapper.version == "v1"
     assert swapper.load_failures == 1 and swapper.swaps == 0
-    assert swapper.poll_once() is None and source.loads == ["v2"]  # a failed version is not retried
+    assert swapper.poll_once() is None and source.loads == ["v2"]  # not again before its wait
     prompt, expected = cases[1]
     res = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
     assert res.output_ids == expected and res.trace.drafter_version == "v1"
-    assert swapper.status()["rejected_versions"] == ["v2"]
+    assert swapper.status()["retrying_versions"] == {"v2": 1} and swapper.status()["rejected_versions"] == []
+    swapper._retries["v2"] = (1, 0.0)  # its wait is over: tried once more, then given up
+    assert swapper.poll_once().kind == "load_failed" and source.loads == ["v2", "v2"]
+    assert swapper.status()["rejected_versions"] == ["v2"] and swapper.status()["retrying_versions"] == {}
+    assert swapper.poll_once() is None and source.loads == ["v2", "v2"]
+
+
+def test_a_version_that_failed_to_load_while_the_registry_was_away_is_served_after_its_wait(stories, monkeypatch):
+    """A brief outage of the registry or the artifact store during a load used to reject the
+    version for good: the server kept the old drafter while the registry named the new one."""
+    import runtime.hotswap as hotswap
+
+    monkeypatch.setattr(hotswap, "LOAD_RETRY_S", (0.05,))
+    good = PromptLookupDrafter()
+    attempts = []
+
+    def flaky() -> Drafter:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionError("artifact store restarting")
+        return good
+
+    source = FakeSource({"v2": flaky})
+    swapper = HotSwapper(DrafterSlot(PromptLookupDrafter()), source, initial=DrafterRef("v1"))
+    source.wanted = "v2"
+    assert swapper.poll_once().kind == "load_failed" and swapper.poll_once() is None
+    wait_for(lambda: swapper.poll_once() is not None, timeout_s=5, what="the retried load")
+    assert swapper.version == "v2" and swapper.slot.get() is good and swapper.status()["retrying_versions"] == {}
 
 
 def run_observed(engine, swapper, cases, n: int) -> list:

@@ -161,7 +161,8 @@ def _swaps(status: dict[str, Any] | None) -> Iterator[Metric]:
     yield CounterMetricFamily("livedraft_drafter_swaps", "Drafter hot-swaps.", value=status.get("swaps", 0))
     yield CounterMetricFamily("livedraft_drafter_rollbacks", "Automatic rollbacks after an acceptance collapse.",
                               value=status.get("rollbacks", 0))
-    yield CounterMetricFamily("livedraft_drafter_load_failures", "Drafter versions that failed to load.",
+    yield CounterMetricFamily("livedraft_drafter_load_failures",
+                              "Drafter version loads that failed (a version tried again counts each time).",
                               value=status.get("load_failures", 0))
     yield GaugeMetricFamily("livedraft_drafter_swap_pause_seconds_last",
                             "How long the last swap held the drafter slot.", value=status.get("last_swap_pause_s", 0.0))
