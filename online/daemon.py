@@ -28,6 +28,7 @@ from runtime.loader import LoadedModel
 log = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 600.0  # how often the daemon applies the embedded stream's retention
+JOIN_GRACE_S = 30.0  # stop(): the collector and pruner threads get the drain timeout plus this to end
 
 
 @dataclass
@@ -118,14 +119,19 @@ class Daemon:
             self.trainer.close()
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout_s + 30)
+            self._thread.join(timeout_s + JOIN_GRACE_S)
         if self._pruner is not None:
-            self._pruner.join(timeout_s + 30)  # a pass in progress finishes its chunk
+            self._pruner.join(timeout_s + JOIN_GRACE_S)  # a pass in progress finishes its chunk
         collected = 0
-        try:
-            collected = self.collector.drain(timeout_s).collected
-        except Exception:
-            log.exception("daemon: the final collector pass failed; uncommitted records stay in the stream")
+        if self._thread is not None and self._thread.is_alive():  # blocked (a store or broker hanging)
+            log.warning("daemon: the collector is still busy after %.0fs; no final pass beside it (its source is "
+                        "not shared across threads): uncommitted records stay in the stream for the next start",
+                        timeout_s + JOIN_GRACE_S)
+        else:
+            try:
+                collected = self.collector.drain(timeout_s).collected
+            except Exception:
+                log.exception("daemon: the final collector pass failed; uncommitted records stay in the stream")
         for m in (self.cache, self.bridge):
             if m is None:
                 continue

@@ -112,3 +112,42 @@ def test_stop_signals_drain_first_and_quit_on_the_second():
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_makes_no_final_pass_beside_a_collector_that_is_still_blocked(tmp_path: Path, monkeypatch, caplog):
+    """A collector thread still blocked in its source (a hanging broker or store) when stop()'s
+    join ends: the final pass is skipped, not run beside it on the same source (a Kafka consumer
+    is not shared across threads); its records stay uncommitted for the next start."""
+    from online import daemon as daemon_mod
+    from online.daemon import Daemon
+    from online.stream.memory import MemoryStream
+
+    monkeypatch.setattr(daemon_mod, "JOIN_GRACE_S", 0.2)
+    cfg = Config(data_dir=str(tmp_path), daemon=DaemonConfig(cache=False))
+    stream = MemoryStream()
+    stream.sink().emit(traces(1, 4)[0])
+    inner, entered, release, pollers = stream.source("g"), threading.Event(), threading.Event(), []
+
+    class Hanging:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def poll(self, *args, **kwargs):
+            pollers.append(threading.current_thread().name)
+            entered.set()
+            release.wait(30)
+            return []
+
+    store = Store.open(cfg.store_url())
+    daemon = Daemon(cfg, store=store, source=Hanging(), registry=NoChampion(), trainer=False)
+    daemon.start()
+    try:
+        assert entered.wait(10)
+        with caplog.at_level("WARNING", logger="online.daemon"):
+            report = daemon.stop(timeout_s=0.1)
+        assert report.collected_on_drain == 0 and "collector is still busy" in caplog.text
+        assert set(pollers) == {"livedraft-collector"}, pollers
+        assert stream.committed("g") == 0
+    finally:
+        release.set()
+        store.close()
