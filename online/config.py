@@ -125,6 +125,7 @@ class RegistryConfig:
     experiment: str = "livedraft-trainer"  # MLflow experiment holding the rounds
     model_name: str = "livedraft-drafter"  # registered model holding the drafter versions
     cache_dir: str = ""  # empty: <data_dir>/drafters (downloaded registry versions)
+    keep_cached: int = 4  # downloaded versions kept beyond those an alias names (0: keep every one)
     ui_host: str = "127.0.0.1"  # `livedraft ui` bind address
     ui_port: int = 5000  # `livedraft ui` port
 

@@ -297,6 +297,9 @@ class _Inner:
     def report_rollback(self, ref, reason, numbers):
         pass
 
+    def prune(self):
+        pass
+
 
 def test_a_version_is_served_with_the_draft_rule_its_measured_acceptance_and_step_costs_choose(
         llama, head_gguf, tmp_path):

@@ -197,3 +197,44 @@ def test_a_rolled_back_version_never_becomes_previous_or_champion_again(tmp_path
     reg.client.set_model_version_tag(reg.name, "1", "rolled_back", "true")
     reg.client.set_registered_model_alias(reg.name, "previous", "1")
     assert reg.tag_rolled_back(2, {}) == 2  # ... but a rollback never returns to one
+
+
+def test_the_download_cache_keeps_what_an_alias_names_and_the_newest(registry, tmp_path, caplog):
+    """prune_cache (after each load of a version) removes downloads beyond `keep_cached` newest,
+    never what an alias names (champion 2, previous 1 here) nor anything changed within the grace
+    (another process may be loading it); half-done downloads go once past the grace. Nothing is
+    removed when the aliases cannot be read, and a failed prune never fails a load."""
+    import dataclasses
+    import os
+    import time
+
+    from online.registry.source import RegistryDrafterSource
+    from online.registry.versions import PRUNE_GRACE_S
+
+    reg = DrafterRegistry(dataclasses.replace(registry.settings, cache_dir=tmp_path, keep_cached=2))
+    root = tmp_path / reg.name
+    old = time.time() - PRUNE_GRACE_S - 60
+    for v in range(1, 9):
+        (root / f"v{v}").mkdir(parents=True)
+        (root / f"v{v}" / "config.json").write_text("{}")
+        (root / f"v{v}.gguf").write_bytes(b"GGUF")
+    (root / ".v9-abc").mkdir()
+    for entry in root.iterdir():
+        os.utime(entry, (old, old))
+    os.utime(root / "v5", None)  # touched just now: inside the grace
+    reg.settings.keep_cached = 0
+    assert reg.prune_cache() == []  # 0 keeps every download
+    reg.settings.keep_cached = 2
+    original = reg._aliases
+    reg._aliases = lambda: (_ for _ in ()).throw(RuntimeError("tracking server away"))
+    with caplog.at_level("ERROR"):
+        RegistryDrafterSource(reg, None).prune()  # logged, not raised
+    assert "could not prune" in caplog.text and len(list(root.iterdir())) == 17
+    reg._aliases = original
+    named = {int(v) for v in reg._aliases().values()}
+    assert {1, 2} <= named < set(range(1, 7))  # champion 2, previous 1 (from the module's rounds)
+    kept = {f"v{v}{ext}" for v in named | {7, 8} for ext in ("", ".gguf")} | {"v5"}
+    removed = {e.name for e in reg.prune_cache()}
+    assert removed == {f"v{v}{ext}" for v in range(1, 9) for ext in ("", ".gguf")} - kept | {".v9-abc"}
+    assert {e.name for e in root.iterdir()} == kept
+    assert reg.prune_cache() == []

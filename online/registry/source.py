@@ -58,7 +58,17 @@ class RegistryDrafterSource:
         except ValueError:
             raise LivedraftError(f"{ref.version!r} is not a registry version of {self.registry.name}") from None
         path = self.registry.download(version)
-        return load_drafter(path, self.target, version=ref.version)
+        drafter = load_drafter(path, self.target, version=ref.version)
+        self.prune()
+        return drafter
+
+    def prune(self) -> None:
+        """After a load: the registry's cache pruned (DrafterRegistry.prune_cache); a failure is
+        logged, never raised (a full disk is no reason to keep serving the old version)."""
+        try:
+            self.registry.prune_cache()
+        except Exception:
+            log.exception("drafter source: could not prune the download cache of %s", self.registry.name)
 
     def load_champion(self) -> tuple[DrafterRef, Drafter]:
         """The champion now, loaded (what a server starts with). Raises RegistryError without one."""

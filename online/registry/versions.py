@@ -42,6 +42,7 @@ PREVIOUS = "previous"
 TRAINEE = "trainee"  # trainer.lineage = "trainee": the version the next round trains from, promoted or not
 DRAFTER_ARTIFACTS = "drafter"  # artifact sub-path holding the drafter directory
 SPECULATORS_ARTIFACTS = "speculators"  # eagle versions: the same head as vLLM loads it (speculators Eagle3)
+PRUNE_GRACE_S = 600.0  # prune_cache leaves what changed more recently: another process may be loading it
 GGUF_ARTIFACT = "gguf/head.gguf"  # eagle versions with a known target: the head as llama-server loads it (-md)
 
 
@@ -57,6 +58,7 @@ class RegistrySettings:
     experiment: str
     model_name: str
     cache_dir: Path  # downloaded versions: <cache_dir>/<model_name>/v<N>
+    keep_cached: int = 4  # prune_cache keeps this many newest downloads beyond those an alias names (0: all)
 
     @classmethod
     def from_config(cls, cfg: Config) -> RegistrySettings:
@@ -69,7 +71,7 @@ class RegistrySettings:
         if "'" in r.model_name:
             raise RegistryError(f"[registry] model_name {r.model_name!r} must not contain a quote")
         return cls(tracking, r.registry_uri or tracking, _as_uri(r.artifact_root or str(data / "mlartifacts")),
-                   r.experiment, r.model_name, Path(r.cache_dir or data / "drafters").expanduser())
+                   r.experiment, r.model_name, Path(r.cache_dir or data / "drafters").expanduser(), r.keep_cached)
 
 
 @dataclass
@@ -262,6 +264,42 @@ class DrafterRegistry:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # another process may have filled dst first
         return dst
+
+    def prune_cache(self) -> list[Path]:
+        """Removes downloaded versions (<cache_dir>/<model>/v<N>, v<N>.gguf) beyond the
+        `keep_cached` newest, so a long-running service's disk does not grow with every
+        promotion. Never one an alias names (champion, previous, trainee: what serving, a
+        rollback and the next round read), nor anything changed in the last PRUNE_GRACE_S (a
+        process sharing the cache may be loading it); downloads a killed process left half-way
+        go once past that grace. Reads the aliases first: nothing is removed when they cannot
+        be read. Returns what it removed."""
+        root = self.settings.cache_dir / self.name
+        if self.settings.keep_cached <= 0 or not root.is_dir():
+            return []
+        named = {int(v) for v in (self._aliases() or {}).values() if str(v).isdigit()}
+        cached: dict[int, list[Path]] = {}
+        partial = []
+        for entry in root.iterdir():
+            stem = entry.name.removesuffix(".gguf")
+            if stem.startswith("v") and stem[1:].isdigit():
+                cached.setdefault(int(stem[1:]), []).append(entry)
+            elif entry.name.startswith(".v"):
+                partial.append(entry)
+        newest = sorted(cached, reverse=True)[: self.settings.keep_cached]
+        stale = [e for v, entries in cached.items() if v not in named and v not in newest for e in entries] + partial
+        removed = []
+        for entry in stale:
+            try:
+                if time.time() - entry.stat().st_mtime < PRUNE_GRACE_S:
+                    continue
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            except FileNotFoundError:  # another process pruned it first
+                continue
+            removed.append(entry)
+        if removed:
+            log.info("registry: removed %d cached download(s) of %s: %s", len(removed), self.name,
+                     ", ".join(e.name for e in sorted(removed)))
+        return removed
 
     def log_round(self, result: RoundResult, *, target_model: str = "", promote: bool | None = None) -> LoggedRound:
         """Logs `result` as a run, registers its candidate as a new version, and promotes it when

@@ -232,6 +232,7 @@ class GgufHeadSource:
         path = registry.download(version)
         head = head_gguf(path, self.factory.target)
         up = self.factory.start(ref.version, head, registry.acceptance_per_position(version))
+        self.inner.prune()
         self._log(version, {"llama_server_swap_load_seconds": time.perf_counter() - t0,
                             "llama_server_spec_n_max": up.launch.spec.n_max,
                             "llama_server_spec_p_min": up.launch.spec.p_min})
