@@ -6,7 +6,7 @@ import argparse
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from online.config import Config, load_config
 from online.loading import add_model_arguments
@@ -44,17 +44,13 @@ def exit_on_termination() -> Callable[[], None]:
     def handler(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, *_hangup())
-                if signal.getsignal(s) in (signal.SIG_DFL, None)}
-    for s in previous:
-        signal.signal(s, handler)
-    return lambda: [signal.signal(s, h or signal.SIG_DFL) for s, h in previous.items()] and None
+    return _set_handlers([s for s in (signal.SIGTERM, *_hangup()) if signal.getsignal(s) in (signal.SIG_DFL, None)],
+                         handler)
 
 
 def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
     """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop` (a second one still interrupts);
     returns a function restoring the previous handlers. Main thread only."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, *_hangup())}
 
     def handler(signum: int, _frame: object) -> None:
         if stop.is_set():
@@ -62,9 +58,16 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
         log.info("received %s: draining", signal.Signals(signum).name)
         stop.set()
 
+    return _set_handlers((signal.SIGTERM, signal.SIGINT, *_hangup()), handler)
+
+
+def _set_handlers(signals: Iterable[int], handler: Callable[[int, object], None]) -> Callable[[], None]:
+    """Installs `handler` for `signals`; returns a function putting the previous handlers back (the
+    default where Python did not install one)."""
+    previous = {s: signal.getsignal(s) for s in signals}
     for s in previous:
         signal.signal(s, handler)
-    return lambda: [signal.signal(s, h) for s, h in previous.items()] and None
+    return lambda: [signal.signal(s, h or signal.SIG_DFL) for s, h in previous.items()] and None
 
 
 def apply_data_dir(cfg: Config, data_dir: str | None) -> Config:
