@@ -326,8 +326,8 @@ def dense_ttt_loss(loss_fn, batch):
     emb, h, keys, total = loss_fn.embed[ids], loss_fn.head.fuse(feats), [], 0.0
     for j in range(min(loss_fn.cfg.ttt_steps, t)):
         tj = t - j
-        h, logits = loss_fn._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, torch.ones(b, tj, dtype=torch.bool))
-        lq = torch.log_softmax(logits.view(b, tj, -1), dim=-1)
+        h, x = loss_fn._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, torch.ones(b, tj, dtype=torch.bool))
+        lq = torch.log_softmax(loss_fn.head.lm_head(x).view(b, tj, -1), dim=-1)
         tl = target_lp[:, j : j + tj]
         labels = loss_fn.draft_index[ids[:, j + 2 : j + 2 + tj]]
         w = weights[:, j : j + tj] * (labels >= 0)
@@ -340,12 +340,16 @@ def dense_ttt_loss(loss_fn, batch):
 
 @pytest.mark.parametrize("prompt_weight", [0.1, 0.0])
 def test_the_loss_on_weighted_rows_only_equals_the_loss_over_every_row(stories, stories_eagle_init_dir, eagle_traffic,
-                                                                       prompt_weight):
+                                                                       prompt_weight, monkeypatch):
     """TTTLoss computes the head's logits and the soft labels only where a row has weight (no
     padding, no prompt rows at prompt_weight 0; a label outside the draft vocabulary weighs
-    nothing): its loss and gradients equal the dense formula's over every row."""
+    nothing), a few rows at a time with their gradients (DraftLoss; chunks of 5 rows here, the
+    last one partial): its loss and gradients equal the dense formula's over every row."""
     from online.config import TrainerConfig
+    from online.trainer import eagle
     from online.trainer.eagle import TTTLoss, make_examples
+
+    monkeypatch.setattr(eagle, "CHUNK", 5)
 
     head = EagleHead.load(stories_eagle_init_dir)
     cfg = TrainerConfig(prompt_weight=prompt_weight, ce_weight=0.2, ttt_decay=0.8)

@@ -297,33 +297,36 @@ class TTTLoss:
         used = weights > 0
         slot = torch.full((b, t), -1, dtype=torch.long, device=dev)
         slot[used] = torch.arange(int(used.sum()), device=dev)
-        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # soft labels stay full precision
-            target_lp = torch.log_softmax((hidden[used] @ self.target_rows.T).float(), dim=-1)  # [S, V_draft]
-            target_p = target_lp.exp()
-            neg_entropy = (target_p * target_lp).sum(-1)  # [S]: KL(p || q) = neg_entropy - sum p log q
+        with torch.no_grad(), torch.autocast(dev.type, enabled=False):  # soft labels stay full precision
+            target_p, neg_entropy = soft_labels(hidden[used], self.target_rows)  # [S, V_draft], [S]
         emb = self.embed[ids]  # [B, N + 1, d]
         h = self.head.fuse(feats)  # [B, T, d]
-        total, parts = 0.0, {}
+        lm = self.head.lm_head.weight
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else lm.dtype
+        xs, ats, labels, coefs = [], [], [], []
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j in range(min(self.cfg.ttt_steps, t)):
             tj = t - j
             rows = used[:, j : j + tj]  # rows with weight: the head's logits are computed for these only
-            h, logits = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, rows)  # [B, Tj, d], [R, Vd]
-            lq = torch.log_softmax(logits.float(), dim=-1)
-            at = slot[:, j : j + tj][rows]  # the packed soft labels of those rows
-            p, ne = target_p[at], neg_entropy[at]
-            labels = self.draft_index[ids[:, j + 2 : j + 2 + tj][rows]]  # draft row of token t + j + 2
-            wr = weights[:, j : j + tj][rows] * (labels >= 0)  # no label outside the draft vocabulary
-            kl = ne - (p * lq).sum(-1)  # forward KL over the draft vocabulary
-            ce = -lq.gather(-1, labels.clamp_min(0)[:, None])[:, 0]
-            loss_j = (wr * (kl + self.cfg.ce_weight * ce)).sum() / wr.sum().clamp_min(1.0)
-            total = total + (self.cfg.ttt_decay ** j) * loss_j
-            parts[f"step{j}"] = float(loss_j.detach())
-        return total, parts
+            h, x = self._step(emb[:, 1 + j : 1 + j + tj], h[:, :tj], j, keys, rows)  # [B, Tj, d], [R, d]
+            label = self.draft_index[ids[:, j + 2 : j + 2 + tj][rows]]  # draft row of token t + j + 2
+            wr = weights[:, j : j + tj][rows] * (label >= 0)  # no label outside the draft vocabulary
+            xs.append(x)
+            ats.append(slot[:, j : j + tj][rows])  # the packed soft labels of those rows
+            labels.append(label.clamp_min(0))
+            coefs.append(wr / wr.sum().clamp_min(1.0))
+        if not xs:
+            return torch.zeros((), device=dev, requires_grad=True), {}
+        step_of = torch.repeat_interleave(torch.arange(len(xs), device=dev),
+                                          torch.tensor([len(x) for x in xs], device=dev))
+        losses = DraftLoss.apply(torch.cat(xs), lm, lm.detach().to(dtype), target_p, neg_entropy, torch.cat(ats),
+                                 torch.cat(labels), torch.cat(coefs), step_of, len(xs), self.cfg.ce_weight)
+        decay = self.cfg.ttt_decay ** torch.arange(len(xs), device=dev, dtype=losses.dtype)
+        return (decay * losses).sum(), {f"step{j}": float(v) for j, v in enumerate(losses.detach())}
 
     def _step(self, emb: torch.Tensor, h_in: torch.Tensor, j: int, keys: list[tuple[torch.Tensor, torch.Tensor]],
               rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step j of the unrolled head: its output states [B, Tj, d] and its logits at `rows` [R, V_draft]."""
+        """Step j of the unrolled head: its output states [B, Tj, d] and lm_head's input at `rows` [R, d]."""
         head, s = self.head, self.shape
         layer = head.layers[0]
         b, tj = emb.shape[0], emb.shape[1]
@@ -345,8 +348,66 @@ class TTTLoss:
         x = residual + a.o_proj(att.transpose(1, 2).reshape(b, tj, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = head.norm(x) if head.config.norm_output else x
-        logits = head.lm_head(out[rows] if head.config.norm_output else head.norm(x[rows]))
-        return out, logits
+        return out, out[rows] if head.config.norm_output else head.norm(x[rows])
+
+
+CHUNK = 128  # rows at a time: a [CHUNK, V_draft] fp32 block stays in a core's cache
+
+
+def soft_labels(hidden: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distributions over the draft vocabulary from its final hidden states
+    [S, d] and its lm_head's draft rows [V, d]: p [S, V] and sum p log p [S], CHUNK rows at a time."""
+    p = torch.empty((len(hidden), len(rows)), dtype=torch.float32, device=hidden.device)
+    neg_entropy = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+    for c in range(0, len(hidden), CHUNK):
+        lp = torch.log_softmax((hidden[c : c + CHUNK] @ rows.T).float(), dim=-1)
+        pc = torch.exp(lp, out=p[c : c + CHUNK])
+        neg_entropy[c : c + CHUNK] = (pc * lp).sum(-1)
+    return p, neg_entropy
+
+
+class DraftLoss(torch.autograd.Function):
+    """The unrolled steps' losses over their rows, step i's sum_r c_r [KL(p_r || q_r) + ce_weight
+    CE(q_r, label_r)] over its rows r, q_r = softmax(x_r W^T) the head's distribution over the draft
+    vocabulary (x [R, d] lm_head's inputs, every step's rows; W [V, d] its weight; matmuls in `w`'s
+    dtype, softmaxes in fp32). The softmaxes, the losses and the logits' gradients run CHUNK rows at a
+    time, so no fp32 [R, V] tensor is ever whole: on a CPU the passes over such tensors (log_softmax,
+    its product with p, their backward, one weight gradient per step summed) cost more than the
+    matmuls. A row's logits' gradient is c_r [(1 + ce_weight) q_r - p_r - ce_weight onehot(label_r)]
+    (p_r sums to 1); the backward turns them into x's and W's with one matmul each. p_r is row at[r]
+    of the soft labels `p` [S, V]; c_r 0 leaves a row out; step_of[r] is row r's step, of `steps`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, w: torch.Tensor, p: torch.Tensor,
+                neg_entropy: torch.Tensor, at: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,
+                step_of: torch.Tensor, steps: int, ce_weight: float) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            xd = x.detach().to(w.dtype)
+            grad_logits = torch.empty((len(x), len(w)), dtype=w.dtype, device=x.device)
+            losses = torch.zeros(steps, dtype=torch.float32, device=x.device)
+            for c in range(0, len(x), CHUNK):
+                lq = (xd[c : c + CHUNK] @ w.T).float()
+                lq -= torch.logsumexp(lq, dim=-1, keepdim=True)
+                rows, lab, cc = at[c : c + CHUNK], labels[c : c + CHUNK, None], coef[c : c + CHUNK]
+                pc = p[rows]
+                loss = cc * (neg_entropy[rows] - (pc * lq).sum(-1) - ce_weight * lq.gather(-1, lab)[:, 0])
+                losses.index_add_(0, step_of[c : c + CHUNK], loss)
+                g = lq.exp_().mul_(1.0 + ce_weight).sub_(pc)
+                g.scatter_add_(-1, lab, torch.full(lab.shape, -ce_weight, dtype=g.dtype, device=g.device))
+                grad_logits[c : c + CHUNK] = g.mul_(cc[:, None])
+        ctx.save_for_backward(grad_logits, xd, w, step_of)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_logits, xd, w, step_of = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        with torch.autocast(xd.device.type, enabled=False):
+            scale = grad_out.float()[step_of][:, None]  # [R, 1]
+            grad_x = ((grad_logits @ w).float() * scale).to(x_dtype)
+            grad_w = (grad_logits.T @ (xd.float() * scale).to(xd.dtype)).to(w_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def _ttt_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor,
