@@ -170,10 +170,10 @@ class Store:
         Raises StoreError, writing nothing, when a trace fails `trace_problem`."""
         if payloads is not None and len(payloads) != len(traces):
             raise StoreError(f"{len(payloads)} payloads for {len(traces)} traces")
-        for t in traces:
-            if problem := trace_problem(t):
-                raise StoreError(f"trace {t.event_id[:80]!r} cannot be stored: {problem}")
         rows = [_trace_row(t, payloads[i] if payloads is not None else None) for i, t in enumerate(traces)]
+        for t, row in zip(traces, rows, strict=True):
+            if problem := _row_problem(t, row):
+                raise StoreError(f"trace {t.event_id[:80]!r} cannot be stored: {problem}")
         inserted = dead = 0
         with self.engine.begin() as conn:
             if rows:
@@ -319,6 +319,11 @@ def trace_problem(t: RequestTrace) -> str | None:
     longer than their columns or containing NUL (PostgreSQL rejects both), numbers out of
     their column's range (integers too large, NaN or infinite floats, a sum of draft counts
     included). The collector dead-letters such traces instead of failing the batch."""
+    return _row_problem(t, _trace_row(t, b""))
+
+
+def _row_problem(t: RequestTrace, row: dict[str, Any]) -> str | None:
+    """trace_problem over `row`, `t`'s row as _trace_row made it."""
     for name, limit in _STR_LIMITS.items():
         v = getattr(t, name)
         if v is None:
@@ -327,7 +332,6 @@ def trace_problem(t: RequestTrace) -> str | None:
             return f"{name} is {len(v)} characters, the store keeps at most {limit}"
         if "\x00" in v:
             return f"{name} contains a NUL character"
-    row = _trace_row(t, b"")
     for name, kind in _NUMBERS.items():
         v = row[name]
         if v is None:
