@@ -238,3 +238,27 @@ def test_the_download_cache_keeps_what_an_alias_names_and_the_newest(registry, t
     assert removed == {f"v{v}{ext}" for v in range(1, 9) for ext in ("", ".gguf")} - kept | {".v9-abc"}
     assert {e.name for e in root.iterdir()} == kept
     assert reg.prune_cache() == []
+
+
+def test_a_cached_download_of_another_registry_is_never_served(tmp_path, stories_drafter_dir):
+    """A registry started again (a new tracking database, the same download cache) numbers its
+    versions from 1 again: its version 1 is downloaded anew, not the old registry's from the cache."""
+    from online.registry.versions import RUN_MARKER
+
+    def registry(name: str) -> DrafterRegistry:
+        return DrafterRegistry.from_config(Config(data_dir=str(tmp_path / name),
+                                                  registry=RegistryConfig(cache_dir=str(tmp_path / "cache"))))
+
+    def drafter_version(path: Path) -> str:
+        return json.loads((path / DRAFTER_META).read_text())["version"]
+
+    first = registry("first")
+    first.bootstrap(candidate_dir(stories_drafter_dir, tmp_path / "d1", "first-drafter"))
+    cached = first.download(1)
+    assert drafter_version(cached) == "first-drafter"
+    assert (cached / RUN_MARKER).read_text() == first.client.get_model_version(first.name, "1").run_id
+    assert first.download(1) == cached  # a cache hit
+    second = registry("second")
+    second.bootstrap(candidate_dir(stories_drafter_dir, tmp_path / "d2", "second-drafter"))
+    assert second.download(1) == cached and drafter_version(cached) == "second-drafter"
+    assert drafter_version(first.download(1)) == "first-drafter"

@@ -15,6 +15,7 @@ write, or an HTTP request to a tracking server).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -42,6 +43,7 @@ PREVIOUS = "previous"
 TRAINEE = "trainee"  # trainer.lineage = "trainee": the version the next round trains from, promoted or not
 DRAFTER_ARTIFACTS = "drafter"  # artifact sub-path holding the drafter directory
 SPECULATORS_ARTIFACTS = "speculators"  # eagle versions: the same head as vLLM loads it (speculators Eagle3)
+RUN_MARKER = ".livedraft-run"  # in a downloaded version's directory: the id of the run that logged it
 PRUNE_GRACE_S = 600.0  # prune_cache leaves what changed more recently: another process may be loading it
 GGUF_ARTIFACT = "gguf/head.gguf"  # eagle versions with a known target: the head as llama-server loads it (-md)
 
@@ -245,10 +247,21 @@ class DrafterRegistry:
             self.client.delete_registered_model_alias(self.name, TRAINEE)
 
     def download(self, version: int) -> Path:
-        """The drafter directory of `version`, from the cache or downloaded (atomically) into it."""
+        """The drafter directory of `version`, from the cache or downloaded (atomically) into it. A
+        cached directory counts only if it holds this version's run id (RUN_MARKER): a registry
+        started again (a new tracking database beside the same data directory) numbers its
+        versions from 1 again, and must not be served the old registry's."""
         dst = self.settings.cache_dir / self.name / f"v{version}"
+        run_id = self.client.get_model_version(self.name, str(version)).run_id or ""
         if (dst / "config.json").is_file():
-            return dst
+            if _run_marker(dst) == run_id:
+                return dst
+            log.info("registry: the cached %s is not version %d of this registry (run %s): downloading it anew",
+                     dst, version, run_id)
+            stale = Path(tempfile.mkdtemp(prefix=f".v{version}-stale-", dir=dst.parent))
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                os.replace(dst, stale / dst.name)
+            shutil.rmtree(stale, ignore_errors=True)
         import mlflow.artifacts
 
         uri = self.client.get_model_version_download_uri(self.name, str(version))
@@ -257,6 +270,7 @@ class DrafterRegistry:
         try:
             local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp),
                                                         tracking_uri=self.settings.tracking_uri)
+            (Path(local) / RUN_MARKER).write_text(run_id)
             os.replace(local, dst)
         except OSError:
             if not (dst / "config.json").is_file():
@@ -488,6 +502,13 @@ class DrafterRegistry:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None
             raise
+
+
+def _run_marker(drafter_dir: Path) -> str | None:
+    try:
+        return (drafter_dir / RUN_MARKER).read_text()
+    except OSError:
+        return None
 
 
 def _gguf_head(drafter_dir: Path, target_model: str, out: Path) -> Path | None:
