@@ -137,6 +137,8 @@ def test_rollback_returns_to_previous(tmp_path, stories_drafter_dir):
     assert logged.version == 2
     with pytest.raises(RegistryError, match="no version 9"):
         reg.promote(9)
+    with pytest.raises(RegistryError, match="has no version 9"):
+        reg.local("9")  # download's one lookup of the version
 
 
 def test_the_trainee_alias_moves_by_hand_and_a_promotion_or_rollback_clears_it(tmp_path, stories_drafter_dir):

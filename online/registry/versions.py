@@ -197,12 +197,6 @@ class DrafterRegistry:
             version = reg._alias(sel)
             if version is None:
                 raise RegistryError(f"registered model {name!r} has no alias {sel!r} (see `livedraft drafter list`)")
-        from mlflow.exceptions import MlflowException
-
-        try:
-            reg.client.get_model_version(name, str(version))
-        except MlflowException:
-            raise RegistryError(f"registered model {name!r} has no version {version}") from None
         return LocalDrafter(version, reg.download(version))
 
     def acceptance_per_position(self, version: int) -> list[float] | None:
@@ -250,9 +244,15 @@ class DrafterRegistry:
         """The drafter directory of `version`, from the cache or downloaded (atomically) into it. A
         cached directory counts only if it holds this version's run id (RUN_MARKER): a registry
         started again (a new tracking database beside the same data directory) numbers its
-        versions from 1 again, and must not be served the old registry's."""
+        versions from 1 again, and must not be served the old registry's. Raises RegistryError for
+        a version the registry does not have."""
+        from mlflow.exceptions import MlflowException
+
         dst = self.settings.cache_dir / self.name / f"v{version}"
-        run_id = self.client.get_model_version(self.name, str(version)).run_id or ""
+        try:
+            run_id = self.client.get_model_version(self.name, str(version)).run_id or ""
+        except MlflowException:
+            raise RegistryError(f"registered model {self.name!r} has no version {version}") from None
         if (dst / "config.json").is_file():
             if _run_marker(dst) == run_id:
                 return dst
