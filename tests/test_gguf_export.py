@@ -359,7 +359,8 @@ def test_registered_versions_carry_the_gguf_head(bpe, tmp_path, monkeypatch, cap
     reg = DrafterRegistry.from_config(Config(data_dir=str(tmp_path / "data")))
     v1 = reg.register(head_dir, target_model=str(target_dir))
     assert_same_gguf(reg.gguf(v1), export_gguf(head_dir, tmp_path / "direct.gguf", target=str(target_dir)))
-    assert reg.gguf(v1) == reg.settings.cache_dir / reg.name / f"v{v1}.gguf"  # cached
+    run_id = reg.client.get_model_version(reg.name, str(v1)).run_id
+    assert reg.gguf(v1) == reg.settings.cache_dir / reg.name / f"v{v1}-{run_id}.gguf"  # cached
     unresolvable = tmp_path / "foreign"
     unresolvable.mkdir()
     cfg = json.loads((head_dir / "config.json").read_text())

@@ -12,7 +12,7 @@ import pytest
 
 from devkit.kafka_broker import free_port
 from online.config import Config, RegistryConfig, StoreConfig, TrainerConfig
-from online.registry import DrafterRegistry, RegistryError, RegistrySettings, start_ui
+from online.registry import GGUF_ARTIFACT, DrafterRegistry, RegistryError, RegistrySettings, start_ui
 from online.trainer.common import DistillResult
 from online.trainer.round import ReplayMetrics, RoundResult
 from runtime.drafters.factory import load_model_drafter
@@ -219,7 +219,7 @@ def test_the_download_cache_keeps_what_an_alias_names_and_the_newest(registry, t
     for v in range(1, 9):
         (root / f"v{v}").mkdir(parents=True)
         (root / f"v{v}" / "config.json").write_text("{}")
-        (root / f"v{v}.gguf").write_bytes(b"GGUF")
+        (root / f"v{v}-run{v}.gguf").write_bytes(b"GGUF")
     (root / ".v9-abc").mkdir()
     for entry in root.iterdir():
         os.utime(entry, (old, old))
@@ -235,9 +235,9 @@ def test_the_download_cache_keeps_what_an_alias_names_and_the_newest(registry, t
     reg._aliases = original
     named = {int(v) for v in reg._aliases().values()}
     assert {1, 2} <= named < set(range(1, 7))  # champion 2, previous 1 (from the module's rounds)
-    kept = {f"v{v}{ext}" for v in named | {7, 8} for ext in ("", ".gguf")} | {"v5"}
+    kept = {f"v{v}{ext}" for v in named | {7, 8} for ext in ("", f"-run{v}.gguf")} | {"v5"}
     removed = {e.name for e in reg.prune_cache()}
-    assert removed == {f"v{v}{ext}" for v in range(1, 9) for ext in ("", ".gguf")} - kept | {".v9-abc"}
+    assert removed == {f"v{v}{ext}" for v in range(1, 9) for ext in ("", f"-run{v}.gguf")} - kept | {".v9-abc"}
     assert {e.name for e in root.iterdir()} == kept
     assert reg.prune_cache() == []
 
@@ -264,3 +264,12 @@ def test_a_cached_download_of_another_registry_is_never_served(tmp_path, stories
     second.bootstrap(candidate_dir(stories_drafter_dir, tmp_path / "d2", "second-drafter"))
     assert second.download(1) == cached and drafter_version(cached) == "second-drafter"
     assert drafter_version(first.download(1)) == "first-drafter"
+    for reg in (first, second):  # the GGUF heads (what llama-server loads) likewise
+        head = tmp_path / reg.name / Path(GGUF_ARTIFACT).name
+        head.parent.mkdir(parents=True, exist_ok=True)
+        head.write_bytes(reg.settings.tracking_uri.encode())
+        reg.client.log_artifact(reg.client.get_model_version(reg.name, "1").run_id, str(head),
+                                str(Path(GGUF_ARTIFACT).parent))
+    assert first.gguf(1).read_bytes() == first.settings.tracking_uri.encode()
+    assert second.gguf(1).read_bytes() == second.settings.tracking_uri.encode() != first.gguf(1).read_bytes()
+    assert second.gguf(1).parent == first.gguf(1).parent  # one cache

@@ -280,7 +280,7 @@ class DrafterRegistry:
         return dst
 
     def prune_cache(self) -> list[Path]:
-        """Removes downloaded versions (<cache_dir>/<model>/v<N>, v<N>.gguf) beyond the
+        """Removes downloaded versions (<cache_dir>/<model>/v<N>, v<N>-<run id>.gguf) beyond the
         `keep_cached` newest, so a long-running service's disk does not grow with every
         promotion. Never one an alias names (champion, previous, trainee: what serving, a
         rollback and the next round read), nor anything changed in the last PRUNE_GRACE_S (a
@@ -294,7 +294,7 @@ class DrafterRegistry:
         cached: dict[int, list[Path]] = {}
         partial = []
         for entry in root.iterdir():
-            stem = entry.name.removesuffix(".gguf")
+            stem = entry.name.removesuffix(".gguf").split("-", 1)[0]  # v<N>-<run id>.gguf (v<N>.gguf: older)
             if stem.startswith("v") and stem[1:].isdigit():
                 cached.setdefault(int(stem[1:]), []).append(entry)
             elif entry.name.startswith(".v"):
@@ -461,16 +461,18 @@ class DrafterRegistry:
 
     def gguf(self, version: int) -> Path:
         """The GGUF head of `version` (what `llama-server -md` loads), from the cache or downloaded
-        (atomically) into it. Raises RegistryError for an unknown version or one without a GGUF head."""
+        (atomically) into it. Cached as v<N>-<run id>.gguf, so a registry started again (versions
+        numbered from 1 again) is never served the old registry's head, as in `download`. Raises
+        RegistryError for an unknown version or one without a GGUF head."""
         from mlflow.exceptions import MlflowException
 
-        dst = self.settings.cache_dir / self.name / f"v{version}.gguf"
-        if dst.is_file():
-            return dst
         try:
             run_id = self.client.get_model_version(self.name, str(version)).run_id
         except MlflowException:
             raise RegistryError(f"registered model {self.name!r} has no version {version}") from None
+        dst = self.settings.cache_dir / self.name / f"v{version}-{run_id}.gguf"
+        if dst.is_file():
+            return dst
         import mlflow.artifacts
 
         dst.parent.mkdir(parents=True, exist_ok=True)
