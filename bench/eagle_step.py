@@ -51,7 +51,7 @@ def main() -> None:
     if len(trees) != 2 or not all((t / "online" / "trainer" / "eagle.py").is_file() for t in trees):
         raise SystemExit(f"--trees {args.trees}: give two checkouts of this project, comma-separated")
     own = [a for a in sys.argv[1:] if not a.startswith("--trees") and a != args.trees]
-    own = _drop(own, "--rounds")
+    own = _drop(_drop(own, "--rounds"), "--data") + ["--data", str(Path(args.data).resolve())]  # each runs in its tree
     runs: dict[Path, list[dict]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for tree in trees:
