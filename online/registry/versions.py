@@ -246,13 +246,8 @@ class DrafterRegistry:
         started again (a new tracking database beside the same data directory) numbers its
         versions from 1 again, and must not be served the old registry's. Raises RegistryError for
         a version the registry does not have."""
-        from mlflow.exceptions import MlflowException
-
         dst = self.settings.cache_dir / self.name / f"v{version}"
-        try:
-            run_id = self.client.get_model_version(self.name, str(version)).run_id or ""
-        except MlflowException:
-            raise RegistryError(f"registered model {self.name!r} has no version {version}") from None
+        run_id = self._run_id(version)
         if (dst / "config.json").is_file():
             if _run_marker(dst) == run_id:
                 return dst
@@ -466,10 +461,7 @@ class DrafterRegistry:
         RegistryError for an unknown version or one without a GGUF head."""
         from mlflow.exceptions import MlflowException
 
-        try:
-            run_id = self.client.get_model_version(self.name, str(version)).run_id
-        except MlflowException:
-            raise RegistryError(f"registered model {self.name!r} has no version {version}") from None
+        run_id = self._run_id(version)
         dst = self.settings.cache_dir / self.name / f"v{version}-{run_id}.gguf"
         if dst.is_file():
             return dst
@@ -489,6 +481,16 @@ class DrafterRegistry:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return dst
+
+    def _run_id(self, version: int) -> str:
+        """The MLflow run `version` was registered from (what its cached downloads are keyed by);
+        RegistryError for a version the registry does not have."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version(self.name, str(version)).run_id or ""
+        except MlflowException:
+            raise RegistryError(f"registered model {self.name!r} has no version {version}") from None
 
     def _alias(self, alias: str) -> int | None:
         v = (self._aliases() or {}).get(alias)
