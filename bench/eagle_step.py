@@ -50,8 +50,8 @@ def main() -> None:
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     if len(trees) != 2 or not all((t / "online" / "trainer" / "eagle.py").is_file() for t in trees):
         raise SystemExit(f"--trees {args.trees}: give two checkouts of this project, comma-separated")
-    own = [a for a in sys.argv[1:] if not a.startswith("--trees") and a != args.trees]
-    own = _drop(_drop(own, "--rounds"), "--data") + ["--data", str(Path(args.data).resolve())]  # each runs in its tree
+    own = _drop(_drop(_drop(sys.argv[1:], "--trees"), "--rounds"), "--data")
+    own += ["--data", str(Path(args.data).resolve())]  # each measurement runs in its own tree
     runs: dict[Path, list[dict]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for tree in trees:
