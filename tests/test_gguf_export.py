@@ -255,18 +255,16 @@ def test_a_sentencepiece_target_and_a_variant_head(spm, tmp_path):
     assert tensors["fc.weight"][0] == "BF16" and tensors["blk.0.ffn_norm.weight"][0] == "F32"
 
 
-def test_a_gguf_targets_tokenizer_is_copied_as_it_is(bpe, tmp_path):
-    """llama-server compares the head's vocabulary with the target GGUF's: copy every tokenizer key."""
-    target_dir, head_dir = bpe
-    vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
-    w = gguf.GGUFWriter(tmp_path / "target.gguf", "llama")
+def write_target_gguf(path, vocab: int, prefix: str = "t") -> None:
+    """A GGUF target with a BPE tokenizer of `vocab` tokens named <prefix><i>."""
+    w = gguf.GGUFWriter(path, "llama")
     w.add_uint32("llama.block_count", LAYERS)
     w.add_uint32("llama.embedding_length", H)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
-    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_list([f"{prefix}{i}" for i in range(vocab)])
     w.add_token_types([1] * vocab)
-    w.add_token_merges(["t 1", "t 2"])
+    w.add_token_merges([f"{prefix} 1", f"{prefix} 2"])
     w.add_add_bos_token(False)
     w.add_add_space_prefix(False)
     w.add_bos_token_id(1)
@@ -275,10 +273,37 @@ def test_a_gguf_targets_tokenizer_is_copied_as_it_is(bpe, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_a_gguf_targets_tokenizer_is_copied_as_it_is(bpe, tmp_path):
+    """llama-server compares the head's vocabulary with the target GGUF's: copy every tokenizer key."""
+    target_dir, head_dir = bpe
+    vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    write_target_gguf(tmp_path / "target.gguf", vocab)
     source, _ = read_gguf(tmp_path / "target.gguf")
     keys, _ = read_gguf(export_gguf(head_dir, tmp_path / "head.gguf", target=str(tmp_path / "target.gguf")))
     assert {k: v for k, v in keys.items() if k.startswith("tokenizer.")} == {
         k: v for k, v in source.items() if k.startswith("tokenizer.")}
+
+
+def test_a_gguf_target_is_parsed_once_per_file_version(bpe, tmp_path, monkeypatch):
+    """The trainer exports a head every round: the target's metadata (seconds to parse for a real
+    tokenizer) is read once, and again only when the file changes."""
+    from runtime.drafters import gguf_tokenizer
+    target_dir, head_dir = bpe
+    vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    target = tmp_path / "target.gguf"
+    write_target_gguf(target, vocab)
+    reads = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf_tokenizer.gguf, "GGUFReader",
+                        lambda path, *a, **kw: reads.append(Path(path)) or reader(path, *a, **kw))
+    for name in ("a.gguf", "b.gguf"):
+        export_gguf(head_dir, tmp_path / name, target=str(target))
+    assert reads.count(target.resolve()) == 1
+    write_target_gguf(target, vocab, prefix="uu")  # replaced in place: another size and mtime
+    keys, _ = read_gguf(export_gguf(head_dir, tmp_path / "c.gguf", target=str(target)))
+    assert reads.count(target.resolve()) == 2 and keys["tokenizer.ggml.tokens"][1][:2] == ["uu0", "uu1"]
 
 
 def test_d2t_becomes_absolute_target_ids():

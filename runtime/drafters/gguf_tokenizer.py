@@ -10,6 +10,7 @@ that no llama.cpp checkout is needed: SentencePiece (tokenizer.model), a byte-fa
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,19 @@ def resolve_target(spec: str) -> GGUFTarget:
 
 
 def _gguf_target(path: Path) -> GGUFTarget:
+    """The GGUF target's metadata, read once per file version: parsing a target's tokenizer (49k
+    tokens and merges for SmolLM2) costs seconds, and the trainer exports a GGUF head every round.
+    The returned object is shared: read it, never change it."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF {path}: {e}") from e
+    return _read_gguf_target(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf_target(path: Path, size: int, mtime_ns: int) -> GGUFTarget:
+    """`size` and `mtime_ns` only key the cache: a file replaced in place is read again."""
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError) as e:
