@@ -108,6 +108,9 @@ class TrainerConfig:
     # continuous run gated every round; false: each round a fresh optimizer with its own warm-up and cosine decay
     carry_optimizer: bool = True
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
+    # eagle: memory for the target's passes over the last round's newest traces, which the next round's window
+    # reads again instead of running the target over them (~0.9 MB per 100-token SmolLM2 trace); 0 = off
+    feature_cache_mb: int = 256
     holdout_fraction: float = 0.2  # newest share of a window held out for the gate
 
     @property

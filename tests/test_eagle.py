@@ -17,7 +17,8 @@ from devkit.models import loaded, tiny_llama
 from devkit.workloads import code_edit, templated_json
 from online.replay.engine import replay_traces
 from online.trainer.eagle import choose_draft_vocab, init_head, refresh_vocab, save_head
-from online.trainer.features import FeatureExtractor
+from online.trainer.features import FeatureExtractor, PassCache
+from online.trainer.round import target_passes
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Draft, DraftRow
 from runtime.drafters.eagle import EagleHead, FeatureDrafter
@@ -214,6 +215,34 @@ def test_features_of_the_teacher_forced_pass_equal_the_serving_target(stories, e
                      *(lean.forward([0], [[x]], features=True).features[0] for x in ids[7:])])
     torch.testing.assert_close(FeatureExtractor(stories, lean.feature_layers).one(ids).features, got,
                                rtol=1e-4, atol=1e-4)
+
+
+def test_the_pass_cache_runs_the_target_once_per_trace_and_keeps_the_newest(stories, eagle_traffic, monkeypatch):
+    """A round's window overlaps the last one's: the passes the last round ran are not run again,
+    within the budget, the newest kept first; a trace whose tokens differ under the same request id,
+    or other aux layers, is run anew."""
+    aux = (0, 1, 2)
+    traces = eagle_traffic[:6]
+    fresh = target_passes(stories, aux, traces)
+    size = sum(fresh[t.request_id].features.nbytes + fresh[t.request_id].hidden.nbytes for t in traces[1:4])
+    ran = []
+    call = FeatureExtractor.__call__
+    monkeypatch.setattr(FeatureExtractor, "__call__", lambda self, ts: ran.append(len(ts)) or call(self, ts))
+    cache = PassCache(size)  # room for the first round's newest three
+    cache.passes(stories, aux, traces[:4])
+    got = cache.passes(stories, aux, traces[2:])
+    assert ran == [4, 2] and (cache.hits, cache.misses) == (2, 6)
+    for t in traces[2:]:
+        torch.testing.assert_close(got[t.request_id].features, fresh[t.request_id].features, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[t.request_id].hidden, fresh[t.request_id].hidden, rtol=1e-4, atol=1e-4)
+    changed = dataclasses.replace(traces[5], output_ids=traces[5].output_ids[:-1])
+    assert len(cache.passes(stories, aux, [changed])[changed.request_id].features) == len(fresh[changed.request_id]
+                                                                                            .features) - 1
+    cache.passes(stories, (0, 1, 3), traces[4:])
+    assert ran == [4, 2, 1, 2]
+    off = PassCache(0)  # trainer.feature_cache_mb = 0
+    off.passes(stories, aux, traces[:1])
+    assert not off.kept
 
 
 # --- training ----------------------------------------------------------------------------------

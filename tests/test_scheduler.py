@@ -113,10 +113,11 @@ def test_a_failing_round_is_recorded_and_retried(tmp_path):
 
 
 def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind(tmp_path):
-    parents, verdicts = [], iter([(False, 1.48), (False, 1.2), (True, 2.0), (False, 1.5), (False, 1.5)])
+    parents, caches, verdicts = [], set(), iter([(False, 1.48), (False, 1.2), (True, 2.0), (False, 1.5), (False, 1.5)])
 
-    def round_fn(window, champion_dir, work, cfg, *, parent_dir, parent_version, **kw):
+    def round_fn(window, champion_dir, work, cfg, *, parent_dir, parent_version, pass_cache, **kw):
         parents.append((parent_version, parent_dir))
+        caches.add(id(pass_cache))  # one cache for every round: the next window overlaps this one
         promoted, mal = next(verdicts)
         return fake_result(promoted, mal)  # the champion scores 1.5; margin 0.05
 
@@ -132,6 +133,7 @@ def test_lineage_trainee_trains_on_from_the_last_candidate_unless_it_fell_behind
         ("4", tmp_path),  # version 4 won and is the champion
     ]
     assert reg.trainee == 5
+    assert caches == {id(svc.passes)}
 
     def gone(version):
         raise RuntimeError(f"version {version} was deleted")

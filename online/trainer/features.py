@@ -72,3 +72,46 @@ class FeatureExtractor:
             hs = model(input_ids=torch.tensor([s], device=model.device), output_hidden_states=True).hidden_states
             passes.append(TargetPass(torch.cat([hs[i][0] for i in self.aux_layers], dim=-1), hs[-1][0]))
         return passes
+
+
+class PassCache:
+    """Teacher-forced passes kept from one round to the next. A round's window overlaps the last
+    one's (`up --demo`: 14 of its 24 traces), and a trace's pass depends only on its tokens, the
+    target and the aux layers, which are fixed for a trainer's life; on a 2-core CPU the passes of
+    24 demo traces cost ~13 s of a ~45 s round. After each call only the passes of that call's
+    traces stay, the newest (last given) first, within `max_bytes`: windows slide toward newer
+    traces, so those are the ones the next round reads again. A trace is known by its request id
+    and its tokens. Not thread-safe: a trainer's rounds run one at a time."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.owner: tuple | None = None  # (the target's model, aux layers) the kept passes belong to
+        self.kept: dict[tuple, TargetPass] = {}
+        self.hits = self.misses = 0
+
+    def passes(self, target: LoadedModel, aux_layers: Sequence[int], traces: Sequence[RequestTrace]
+               ) -> dict[str, TargetPass]:
+        """One pass per usable trace, by request id, as `round.target_passes` returns them."""
+        owner = (id(target.model), tuple(aux_layers))
+        if owner != self.owner:
+            self.owner, self.kept = owner, {}
+        ok = [t for t in traces if t.prompt_ids and t.output_ids]
+        keys = [(t.request_id, len(t.prompt_ids), hash((tuple(t.prompt_ids), tuple(t.output_ids)))) for t in ok]
+        missing = [i for i, k in enumerate(keys) if k not in self.kept]
+        self.hits += len(ok) - len(missing)
+        self.misses += len(missing)
+        found = {keys[i]: p for i, p in zip(missing, FeatureExtractor(target, aux_layers)(
+            [ok[i] for i in missing]) if missing else (), strict=True)}
+        found.update((k, self.kept[k]) for k in keys if k not in found)
+        self.kept, size = {}, 0
+        for k in reversed(keys):  # newest first, within the budget
+            p = found[k]
+            size += _nbytes(p)
+            if size > self.max_bytes:
+                break
+            self.kept[k] = p
+        return {t.request_id: found[k] for t, k in zip(ok, keys, strict=True)}
+
+
+def _nbytes(p: TargetPass) -> int:
+    return p.features.nelement() * p.features.element_size() + p.hidden.nelement() * p.hidden.element_size()

@@ -24,7 +24,7 @@ from online.trainer.common import DistillResult, TrainingError, check_config
 from online.trainer.crossvocab import distill_crossvocab
 from online.trainer.distill import distill
 from online.trainer.eagle import distill_eagle
-from online.trainer.features import FeatureExtractor, TargetPass
+from online.trainer.features import PassCache, TargetPass
 from online.trainer.windows import NotEnoughData, TraceWindow, split_window
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
@@ -103,12 +103,14 @@ def run_round(
     parent_dir: str | os.PathLike | None = None,
     parent_version: str | None = None,
     device: str | None = None,
+    pass_cache: PassCache | None = None,
 ) -> RoundResult:
     """Trains a candidate into `work_dir/<candidate_version>` and gates it against the champion.
     The candidate trains from `parent_dir` (`trainer.lineage = "trainee"`: the last round's
     candidate), by default from the champion; it must be a drafter of the champion's kind.
     A model drafter trains on `device` (default: `training_device(target)`, the target's, else the
-    CPU); an eagle head on the target's.
+    CPU); an eagle head on the target's. `pass_cache` keeps the target's passes (eagle) for the
+    next round, whose window overlaps this one's.
 
     Blocks for training plus two replays. For a model drafter `target` (optional) only adds the
     vocabulary check; an eagle (Eagle3) champion needs it: one teacher-forced target pass per
@@ -135,7 +137,7 @@ def run_round(
             raise TrainingError(f"the champion {champion_dir} is an eagle head: its rounds need the target model "
                                 "(run the trainer where the target is loaded: `livedraft up`, or `livedraft daemon "
                                 "--target T`)")
-        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers, window.train + holdout)
+        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers, window.train + holdout, pass_cache)
     log.info("round: %d training traces, %d held out; scoring champion %s", len(window.train), len(holdout),
              champion_dir)
     champ = score_drafter(champion_dir, holdout, k=cfg.replay_k, target=target, passes=passes)
@@ -185,11 +187,11 @@ def _distill(champion: Path, traces: Sequence[RequestTrace], out: Path, cfg: Tra
 TRAINERS: dict[str, Trainer] = {"eagle": _eagle, "crossvocab": _crossvocab, "distill": _distill}
 
 
-def target_passes(target: LoadedModel, aux_layers: Sequence[int], traces: Sequence[RequestTrace]
-                  ) -> dict[str, TargetPass]:
-    """One teacher-forced target pass per usable trace, by request id."""
-    ok = [t for t in traces if t.prompt_ids and t.output_ids]
-    return dict(zip((t.request_id for t in ok), FeatureExtractor(target, aux_layers)(ok), strict=True))
+def target_passes(target: LoadedModel, aux_layers: Sequence[int], traces: Sequence[RequestTrace],
+                  cache: PassCache | None = None) -> dict[str, TargetPass]:
+    """One teacher-forced target pass per usable trace, by request id; those `cache` holds from an
+    earlier round are not run again."""
+    return (cache if cache is not None else PassCache(0)).passes(target, aux_layers, traces)
 
 
 def score_drafter(

@@ -30,6 +30,7 @@ from typing import Protocol
 from online.config import Config, ConfigError
 from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
+from online.trainer.features import PassCache
 from online.trainer.round import RoundResult, TraceWindow, run_round, training_device, trains_on
 from runtime.errors import LivedraftError
 from runtime.loader import OPTIMIZER_STATE, LoadedModel
@@ -108,6 +109,8 @@ class TrainerService:
             raise ConfigError(f"[daemon] needs 1 <= holdout_traces < window_traces, got holdout_traces="
                               f"{d.holdout_traces} window_traces={d.window_traces}")
         self.stats = ServiceStats()
+        # the target's passes over the last round's traces, for the next round's overlapping window
+        self.passes = PassCache(cfg.trainer.feature_cache_mb << 20)
         self.work_dir = Path(cfg.daemon.work_dir or cfg.data_path / "trainer").expanduser()
         self._round_lock = threading.Lock()
         self._stopping = threading.Event()  # set when a drain times out: abandon at the safe point
@@ -151,7 +154,7 @@ class TrainerService:
                 result = self.round_fn(window, champion.path, work, self.cfg.trainer,
                                        champion_version=str(champion.version), target=self.target,
                                        parent_dir=parent.path, parent_version=str(parent.version),
-                                       device=self.device)
+                                       device=self.device, pass_cache=self.passes)
                 if self._stopping.is_set():  # the safe point: nothing registered yet, traces stay in the store
                     return done("stopped", "shutting down: round abandoned before registering")
                 now = self.registry.champion_version()
