@@ -17,7 +17,12 @@ same arithmetic straight off the model's weights:
   every call and costs ~2x a one-row call; the prepacked kernel stays close
   to the one-row cost, which is what makes verifying k+1 tokens cheap. Which
   kernel wins at few rows depends on the CPU, so it is measured once per
-  weight shape (`packed_wins`) and each call takes the faster one;
+  weight shape (`packed_wins`) and each call takes the faster one. oneDNN
+  builds its kernel for each new row count (~0.5-1 ms a weight shape on a
+  2-core AVX2 EPYC), so beyond the calibrated counts the rows are padded up to
+  one of four counts per power of two (`packed_rows`, under 25 % extra rows):
+  a drafter catching up on the tokens it skipped, a prompt chunk and a trace's
+  teacher-forced pass each fed a new count, and paid that build on every call;
 - optionally the residual stream at the input of chosen layers (the fused
   low/middle/high features an EAGLE-3 drafter reads), at no extra compute.
 
@@ -97,6 +102,14 @@ def packed_wins(in_features: int, out_features: int, threads: int) -> tuple[bool
     return tuple(out)
 
 
+def packed_rows(rows: int) -> int:
+    """The row count a prepacked call beyond _CALIBRATED_ROWS runs at: `rows` rounded up to a
+    multiple of a quarter of its power of two (9 -> 10, 37 -> 40, 100 -> 112), so that a few
+    kernels serve every count."""
+    step = 1 << max(0, rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
 class Linear:
     """y = x W^T + b, with W also prepacked for oneDNN where that can be faster (CPU, float32):
     each call takes the kernel measured fastest for its row count (`packed_wins`)."""
@@ -124,9 +137,15 @@ class Linear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and self._use_packed(x.numel() // x.shape[-1]):
+        rows = x.numel() // x.shape[-1]
+        if self._packed is None or not self._use_packed(rows):
+            return F.linear(x, self.weight, self.bias)
+        if rows <= _CALIBRATED_ROWS[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        padded = torch.cat([flat, flat.new_zeros(packed_rows(rows) - rows, flat.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(padded, self._packed, self.bias, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], y.shape[-1])
 
     def _use_packed(self, rows: int) -> bool:
         for n, wins in zip(_CALIBRATED_ROWS, self._wins, strict=True):

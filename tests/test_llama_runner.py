@@ -162,7 +162,7 @@ def test_long_sequence_past_initial_capacity():
 
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("wins", [True, False])
-@pytest.mark.parametrize("rows", [1, 3, 15])
+@pytest.mark.parametrize("rows", [1, 3, 15, 37])
 def test_linear_packed_or_plain_equals_f_linear(pack, wins, rows):
     """Whichever kernel the calibration picks for a row count computes the same projection."""
     from runtime.llama import _CALIBRATED_ROWS
@@ -173,6 +173,26 @@ def test_linear_packed_or_plain_equals_f_linear(pack, wins, rows):
         lin._wins = (wins,) * len(_CALIBRATED_ROWS)
         assert lin._use_packed(rows) == (wins or rows > _CALIBRATED_ROWS[-1])
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_calls_beyond_the_calibrated_rows_run_at_few_row_counts(monkeypatch):
+    """oneDNN builds a kernel per new row count: a probe's catch-up, a prompt chunk, a trace's pass
+    each fed another one. Beyond the calibrated counts the rows are padded to four counts per
+    power of two, under 25 % more rows, and the padding never reaches the output."""
+    from runtime.llama import _CALIBRATED_ROWS, packed_rows
+
+    assert [packed_rows(n) for n in (9, 10, 11, 17, 37, 100, 129, 4000)] == [10, 10, 12, 20, 40, 112, 160, 4096]
+    counts = {packed_rows(n) for n in range(_CALIBRATED_ROWS[-1] + 1, 1025)}
+    assert len(counts) <= 4 * 8 and all(packed_rows(n) >= n and packed_rows(n) < 1.25 * n for n in range(9, 5000))
+    seen = []
+    op = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or op(x, *a))
+    w, b = torch.randn(40, 24), torch.randn(40)
+    lin = Linear(w, b, pack=True)
+    for n in (33, 35, 37, 40):
+        x = torch.randn(1, n, 24)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert seen == [40] * 4
 
 
 def test_kernel_calibration_covers_every_row_count():
