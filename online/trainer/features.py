@@ -106,12 +106,8 @@ class PassCache:
         self.kept, size = {}, 0
         for k in reversed(keys):  # newest first, within the budget
             p = found[k]
-            size += _nbytes(p)
+            size += p.features.nbytes + p.hidden.nbytes
             if size > self.max_bytes:
                 break
             self.kept[k] = p
         return {t.request_id: found[k] for t, k in zip(ok, keys, strict=True)}
-
-
-def _nbytes(p: TargetPass) -> int:
-    return p.features.nelement() * p.features.element_size() + p.hidden.nelement() * p.hidden.element_size()
