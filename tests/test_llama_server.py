@@ -38,7 +38,10 @@ def llama(tmp_path_factory):
 
     cfg = load_config(env={k: v for k, v in os.environ.items() if k.startswith("LIVEDRAFT_")})
     cfg.data_dir = str(tmp_path_factory.mktemp("llama-data"))
-    cfg.engine.parallel, cfg.engine.threads, cfg.engine.ctx_per_slot = 4, 2, 512
+    # one thread: llama.cpp's threads meet at a spinning barrier per op; with 2 on 2 cores beside other busy
+    # processes (a second pytest-xdist worker, a benchmark) a 16-token answer took over 60 s. These tests check
+    # behaviour, not speed.
+    cfg.engine.parallel, cfg.engine.threads, cfg.engine.ctx_per_slot = 4, 1, 512
     try:
         target = resolve_llama_target("smollm2-135m", cfg)
         factory = UpstreamFactory(cfg, target)
