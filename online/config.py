@@ -96,8 +96,8 @@ class TrainerConfig:
     # a round admits output tokens seen this often in its window into the draft vocabulary; 0 = fixed
     vocab_refresh: int = 1
     # eagle rounds: a trace's chance to be drawn into a batch halves with each this many newer traces in the round's
-    # window, so the first rounds after a traffic shift train mostly on the new traffic (a warm start, one run over
-    # a pool, ignores it); 0 = shuffled epochs, each trace as often as the others
+    # window, so the first rounds after a traffic shift train mostly on the new traffic; 0 = shuffled epochs, each
+    # trace as often as the others
     recency_half_life: float = 0.0
     mixed_precision: str = "no"  # eagle heads: "bf16" runs the head's matmuls in bfloat16 (fp32 weights and loss)
     # -- crossvocab (OmniDraft hybrid distillation) --

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -257,8 +257,7 @@ def warm_start(
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        # one offline run over a pool, in no order of time: recency weighting is the online rounds' own
-        stats = train_head(head, examples, embed, lm, replace(cfg, recency_half_life=0.0), on_step=on_step)
+        stats = train_head(head, examples, embed, lm, cfg, on_step=on_step)
     result.train_seconds, result.steps = stats.seconds, stats.steps
     if not result.curve or result.curve[-1].step != stats.steps:
         evaluate(stats.steps, stats.losses[-1], result.train_seconds)
