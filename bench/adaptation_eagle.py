@@ -150,8 +150,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     frozen = per_request(replay(init_dir, logged, "initial").traces)
     cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
                         promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2,
-                        vocab_refresh=args.vocab_refresh, carry_optimizer=args.carry_optimizer,
-                        recency_half_life=args.recency_half_life)
+                        vocab_refresh=args.vocab_refresh, carry_optimizer=args.carry_optimizer)
     champion_dir, version = init_dir, "initial"
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
     served: list[RequestTrace] = []

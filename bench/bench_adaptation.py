@@ -163,9 +163,6 @@ def main() -> None:
                     help="eagle, --lineage trainee: a round resumes its parent's AdamW state and learning rate "
                          "(warm-up once, then constant: the daemon's trainer.carry_optimizer, on by default); "
                          "--no-carry-optimizer: a fresh optimizer with its own warm-up and decay each round")
-    ap.add_argument("--recency-half-life", type=float, default=TrainerConfig.recency_half_life,
-                    help="eagle: a round draws a trace half as often per this many newer traces in its window "
-                         "(the daemon's trainer.recency_half_life; 0: shuffled epochs)")
     ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)

@@ -95,10 +95,6 @@ class TrainerConfig:
     draft_vocab: int = 8192  # draft vocabulary of a new head: the log's most frequent target tokens
     # a round admits output tokens seen this often in its window into the draft vocabulary; 0 = fixed
     vocab_refresh: int = 1
-    # eagle rounds: a trace's chance to be drawn into a batch halves with each this many newer traces in the round's
-    # window, so the first rounds after a traffic shift train mostly on the new traffic; 0 = shuffled epochs, each
-    # trace as often as the others
-    recency_half_life: float = 0.0
     mixed_precision: str = "no"  # eagle heads: "bf16" runs the head's matmuls in bfloat16 (fp32 weights and loss)
     # -- crossvocab (OmniDraft hybrid distillation) --
     ngram_weight: float = 1.0  # extra cross-entropy weight where several drafter tokens spell one target token

@@ -338,41 +338,6 @@ def test_bf16_mixed_precision_computes_the_same_loss_and_learns(stories, stories
         check_config(TrainerConfig(mixed_precision="fp8"))
 
 
-def test_a_recency_half_life_trains_mostly_on_the_newest_traces():
-    """trainer.recency_half_life: a round's batches draw a trace half as often per that many newer
-    traces (so the rounds after a traffic shift train mostly on the new traffic), still in batches
-    of similar lengths; 0 keeps shuffled epochs, every trace once per epoch; a negative one is refused."""
-    from online.config import TrainerConfig
-    from online.trainer.common import TrainingError, check_config
-    from online.trainer.eagle import EagleExample, _batches
-
-    n, size = 64, 8  # oldest first; lengths vary so that batching by length shows
-    examples = [EagleExample(list(range(3 + (i * 7) % 23)), torch.zeros(1), torch.zeros(1), None) for i in range(n)]
-    index = {id(e): i for i, e in enumerate(examples)}
-
-    def counts(half_life: float, draws: int) -> list[int]:
-        seen = [0] * n
-        batches = _batches(examples, size, seed=5, half_life=half_life)
-        for _ in range(draws // size):
-            batch = next(batches)
-            assert len(batch) == size
-            lengths = sorted(len(e.ids) for e in batch)
-            assert lengths[-1] - lengths[0] <= 10  # of 3..25: batched by length, not at random
-            for e in batch:
-                seen[index[id(e)]] += 1
-        return seen
-
-    assert counts(0.0, 3 * n) == [3] * n  # epochs: every trace exactly once each
-    seen = counts(16.0, 64_000)
-    newest, older, oldest = sum(seen[-16:]), sum(seen[-32:-16]), sum(seen[:16])
-    assert 1.8 < newest / older < 2.2 and 3.5 < older / oldest < 4.5, (newest, older, oldest)  # 2 half-lives
-    assert seen[-1] > 1.8 * seen[-17]  # per trace too: one half-life apart, half the draws
-    assert counts(16.0, 3 * n) == counts(16.0, 3 * n)  # seeded
-    assert min(counts(1e9, 64_000)) > 800  # a half-life far beyond the window: about uniform (1,000 each)
-    with pytest.raises(TrainingError, match="recency_half_life must be >= 0"):
-        check_config(TrainerConfig(recency_half_life=-1))
-
-
 def dense_ttt_loss(loss_fn, batch):
     """EAGLE-3's unrolled loss written out over every row of the batch (the module docstring's
     formula, logits at every position): what TTTLoss computes on the weighted rows only."""

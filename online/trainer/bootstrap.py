@@ -67,8 +67,7 @@ def warm_start_answers(target: object, domains: list[str], progress: Callable[[i
 
 
 # trainer settings of the online rounds' gate and lineage, which a warm start never reads
-ROUND_ONLY = ("promote_margin", "lineage", "replay_k", "holdout_fraction", "carry_optimizer", "feature_cache_mb",
-              "recency_half_life")
+ROUND_ONLY = ("promote_margin", "lineage", "replay_k", "holdout_fraction", "carry_optimizer", "feature_cache_mb")
 
 
 def warm_start_recipe(domains: list[str], minutes: float) -> dict:

@@ -62,7 +62,7 @@ def check_config(cfg: TrainerConfig) -> None:
         if not getattr(cfg, key) > 0:
             raise TrainingError(f"[trainer] {key} must be > 0, got {getattr(cfg, key)}")
     for key in ("ce_weight", "max_seconds", "max_grad_norm", "weight_decay", "prompt_weight", "rejected_weight",
-                "warmup_steps", "ngram_weight", "vocab_refresh", "feature_cache_mb", "recency_half_life"):
+                "warmup_steps", "ngram_weight", "vocab_refresh", "feature_cache_mb"):
         if getattr(cfg, key) < 0:
             raise TrainingError(f"[trainer] {key} must be >= 0, got {getattr(cfg, key)}")
     if cfg.mixed_precision not in MIXED_PRECISION:

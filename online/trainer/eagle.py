@@ -445,9 +445,8 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
                cfg: TrainerConfig, *, on_step: Callable[[int, float], float | None] | None = None,
                carry: bool = False, resume: LineageState | None = None) -> TrainStats:
     """Trains `head` in place for cfg.steps optimizer steps (or cfg.max_seconds of training),
-    batches of cfg.batch_size examples in seeded shuffled epochs (or weighted towards the newest
-    examples, under cfg.recency_half_life). `on_step(step, loss)` runs after each step and may
-    return seconds it spent on something else (an evaluation): they count
+    batches of cfg.batch_size examples in seeded shuffled epochs. `on_step(step, loss)` runs after
+    each step and may return seconds it spent on something else (an evaluation): they count
     neither against max_seconds nor in the returned training time. With `carry` (a trainee
     lineage's round under cfg.carry_optimizer) the run continues the lineage's (`resume`: AdamW's
     moments and the steps before; none: the lineage's first run): the learning rate warms up over
@@ -465,7 +464,7 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
         before = resume.steps
     head.train()
     losses, t0, paused = [], time.perf_counter(), 0.0
-    batches = _batches(examples, cfg.batch_size, cfg.seed, cfg.recency_half_life)
+    batches = _batches(examples, cfg.batch_size, cfg.seed)
     for step in range(cfg.steps):
         progress = step / cfg.steps
         if cfg.max_seconds:  # a time budget: the schedule follows whichever budget ends first
@@ -511,19 +510,11 @@ def lr_factor(step: int, progress: float, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, max(progress, 0.0)))) * 0.9 + 0.1
 
 
-def _batches(examples: list[EagleExample], size: int, seed: int,
-             half_life: float = 0.0) -> Iterator[list[EagleExample]]:
-    """Endless seeded batches; each holds examples of similar length (less padding). Shuffled
-    epochs, or with `half_life` > 0 (examples oldest first) draws of eight batches at a time, with
-    replacement, each example weighing 2 ** -(newer examples / half_life)."""
+def _batches(examples: list[EagleExample], size: int, seed: int) -> Iterator[list[EagleExample]]:
+    """Endless seeded epochs; each batch holds examples of similar length (less padding)."""
     gen = torch.Generator().manual_seed(seed)
-    n = len(examples)
-    weights = 0.5 ** (torch.arange(n - 1, -1, -1, dtype=torch.float64) / half_life) if half_life > 0 else None
     while True:
-        if weights is None:
-            perm = torch.randperm(n, generator=gen).tolist()
-        else:
-            perm = torch.multinomial(weights, size * 8, replacement=True, generator=gen).tolist()
+        perm = torch.randperm(len(examples), generator=gen).tolist()
         chunks = [perm[i : i + size * 8] for i in range(0, len(perm), size * 8)]
         batches = []
         for c in chunks:
