@@ -227,7 +227,7 @@ class DaemonConfig:
 
     interval_s: float = 600.0  # a round at least this often while new traces arrive; 0 = off
     # a round as soon as this many traces arrived since the last; 0 = off. 16 (window_traces 64, holdout_traces 13,
-    # trainer.steps 16) recovers from a traffic shift within ~100 requests (docs/benchmarks.md, "Online adaptation"),
+    # trainer.steps 16) recovers from a traffic shift in 68-116 requests (docs/benchmarks.md, "Online adaptation"),
     # at a registered version per round
     min_new_traces: int = 200
     check_interval_s: float = 5.0  # how often the new-traces trigger counts (one cheap query)
