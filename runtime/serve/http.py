@@ -77,9 +77,11 @@ class JsonErrorProtocol(H11Protocol):
     whose request headers do not complete within `header_timeout_s`."""
 
     header_timeout_s = 10.0
+    linger_s = 2.0  # after an error answer, how long to drop what the client still sends before closing
 
     def connection_made(self, transport: Any) -> None:  # noqa: ANN401 - asyncio's transport
         super().connection_made(transport)
+        self._lingering = False
         self._arm_header_timer()
         self._error_hint = 400
         self._line_seen = False  # the current request line has ended (a newline arrived)
@@ -97,6 +99,8 @@ class JsonErrorProtocol(H11Protocol):
         self.conn.next_event = remembering_next_event
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the answer is sent: what still arrives is dropped (close_lingering)
         self._line_seen = self._line_seen or b"\n" in data
         super().data_received(data)
 
@@ -128,7 +132,20 @@ class JsonErrorProtocol(H11Protocol):
         for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
-        self.transport.close()
+        self.close_lingering()
+
+    def close_lingering(self) -> None:
+        """Closes after an answer sent while the client may still be sending (RFC 9112 section 9.6):
+        the write side first, then what arrives is read and dropped until the client closes or
+        `linger_s` passes. Closing at once with the client's bytes unread makes the kernel answer
+        them with a reset, which can destroy the answer before the client has read it."""
+        self._disarm_header_timer()
+        self._lingering = True
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()  # after what is buffered has been sent
+        self.loop.call_later(self.linger_s, self.transport.close)
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
