@@ -71,16 +71,36 @@ def _json_error(status: int, kind: str, message: str, *, close: bool = False) ->
     return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
 
 
+class _LingeringTransport:
+    """A connection's transport as uvicorn's request cycle sees it: a close while the client is
+    still sending its request body (an answer before the whole body: 413, 408) lingers
+    (JsonErrorProtocol.close_lingering); everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: JsonErrorProtocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - whatever the transport has
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._protocol.conn.their_state is h11.SEND_BODY and not self._transport.is_closing():
+            self._protocol.close_lingering()
+        else:
+            self._transport.close()
+
+
 class JsonErrorProtocol(H11Protocol):
     """uvicorn's h11 protocol, answering malformed HTTP (bad request line, headers too large, a
-    negative Content-Length, an unsupported version) with a JSON body, and closing a connection
-    whose request headers do not complete within `header_timeout_s`."""
+    negative Content-Length, an unsupported version) with a JSON body, closing a connection
+    whose request headers do not complete within `header_timeout_s`, and closing after an
+    answer sent while the client is still sending in stages (close_lingering)."""
 
     header_timeout_s = 10.0
     linger_s = 2.0  # after an error answer, how long to drop what the client still sends before closing
 
     def connection_made(self, transport: Any) -> None:  # noqa: ANN401 - asyncio's transport
-        super().connection_made(transport)
+        self._raw_transport = transport
+        super().connection_made(_LingeringTransport(transport, self))
         self._lingering = False
         self._arm_header_timer()
         self._error_hint = 400
@@ -141,11 +161,12 @@ class JsonErrorProtocol(H11Protocol):
         them with a reset, which can destroy the answer before the client has read it."""
         self._disarm_header_timer()
         self._lingering = True
-        if not self.transport.can_write_eof():
-            self.transport.close()
+        raw = self._raw_transport
+        if not raw.can_write_eof():
+            raw.close()
             return
-        self.transport.write_eof()  # after what is buffered has been sent
-        self.loop.call_later(self.linger_s, self.transport.close)
+        raw.write_eof()  # after what is buffered has been sent
+        self.loop.call_later(self.linger_s, raw.close)
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
