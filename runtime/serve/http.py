@@ -72,36 +72,44 @@ def _json_error(status: int, kind: str, message: str, *, close: bool = False) ->
 
 
 class _LingeringTransport:
-    """A connection's transport as uvicorn's request cycle sees it: a close while the client is
-    still sending its request body (an answer before the whole body: 413, 408) lingers
-    (JsonErrorProtocol.close_lingering); everything else is the transport's own."""
+    """A connection's transport as uvicorn's h11 protocol and request cycle see it. A close while
+    the client may still be sending (their h11 state SEND_BODY: an answer before the whole body,
+    413 or 408; or ERROR: malformed HTTP answered with 400, 414 or 431) happens in stages (RFC 9112
+    section 9.6): the write side first, after what is buffered, then what still arrives is dropped
+    until the client closes or `linger_s` passes. Closing at once with the client's bytes unread
+    makes the kernel answer them with a reset, which can destroy the answer before it is read.
+    Every other close, and everything else, is the transport's own."""
 
     def __init__(self, transport: asyncio.Transport, protocol: JsonErrorProtocol) -> None:
         self._transport, self._protocol = transport, protocol
+        self.lingering = False
 
     def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - whatever the transport has
         return getattr(self._transport, name)
 
     def close(self) -> None:
-        if self._protocol.conn.their_state is h11.SEND_BODY and not self._transport.is_closing():
-            self._protocol.close_lingering()
-        else:
+        if self.lingering:
+            return  # closes when the client does, or at the end of linger_s
+        sending = self._protocol.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+        if not sending or self._transport.is_closing() or not self._transport.can_write_eof():
             self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()
+        self._protocol.loop.call_later(self._protocol.linger_s, self._transport.close)
 
 
 class JsonErrorProtocol(H11Protocol):
     """uvicorn's h11 protocol, answering malformed HTTP (bad request line, headers too large, a
     negative Content-Length, an unsupported version) with a JSON body, closing a connection
     whose request headers do not complete within `header_timeout_s`, and closing after an
-    answer sent while the client is still sending in stages (close_lingering)."""
+    answer sent while the client is still sending in stages (_LingeringTransport)."""
 
     header_timeout_s = 10.0
     linger_s = 2.0  # after an error answer, how long to drop what the client still sends before closing
 
     def connection_made(self, transport: Any) -> None:  # noqa: ANN401 - asyncio's transport
-        self._raw_transport = transport
         super().connection_made(_LingeringTransport(transport, self))
-        self._lingering = False
         self._arm_header_timer()
         self._error_hint = 400
         self._line_seen = False  # the current request line has ended (a newline arrived)
@@ -119,8 +127,8 @@ class JsonErrorProtocol(H11Protocol):
         self.conn.next_event = remembering_next_event
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
-            return  # the answer is sent: what still arrives is dropped (close_lingering)
+        if self.transport.lingering:
+            return  # the answer is sent: what still arrives is dropped
         self._line_seen = self._line_seen or b"\n" in data
         super().data_received(data)
 
@@ -152,21 +160,7 @@ class JsonErrorProtocol(H11Protocol):
         for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
-        self.close_lingering()
-
-    def close_lingering(self) -> None:
-        """Closes after an answer sent while the client may still be sending (RFC 9112 section 9.6):
-        the write side first, then what arrives is read and dropped until the client closes or
-        `linger_s` passes. Closing at once with the client's bytes unread makes the kernel answer
-        them with a reset, which can destroy the answer before the client has read it."""
-        self._disarm_header_timer()
-        self._lingering = True
-        raw = self._raw_transport
-        if not raw.can_write_eof():
-            raw.close()
-            return
-        raw.write_eof()  # after what is buffered has been sent
-        self.loop.call_later(self.linger_s, raw.close)
+        self.transport.close()  # lingers: the client's state is ERROR
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
