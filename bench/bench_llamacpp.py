@@ -1,7 +1,8 @@
 """llama-server benchmark: livedraft's heads on llama.cpp against llama-server alone, side by side.
 
 Rows (same chat prompts, greedy, same n_predict), each a llama-server process started once:
-llama-server alone on the f32 GGUF and on the packaged Q4_1 GGUF; per `--head DIR` (an EAGLE-3
+llama-server alone on the f32 GGUF (with the flash attention livedraft measured faster here, and
+with llama.cpp's default where that differs) and on the packaged Q4_1 GGUF; per `--head DIR` (an EAGLE-3
 head) the head under livedraft's cost rule (its acceptance per position measured on separate
 calibration prompts with a fixed n-max 3 run, then `choose_spec` with this machine's step costs
 measured on llama-server: no head where it does not pay) and the head at llama-server's fixed n-max 3;
@@ -20,6 +21,7 @@ and accepted tokens, and the head's cost per drafted token as a fraction of a ta
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -111,6 +113,9 @@ def main() -> None:
     calibration = lines(args.calibration_file) if args.calibration_file else CALIBRATION
     texts = lines(args.prompts_file) if args.prompts_file else PROMPTS
     launches: dict[str, LaunchSpec] = {BASE: factory.launch()}
+    if factory.flash_attn():  # the alone row as llama.cpp would start it, beside livedraft's measured choice
+        launches[f"{BASE}, flash attention llama.cpp's default"] = LaunchSpec(
+            **{**factory.launch().__dict__, "flash_attn": ""})
     if q4 is not None:
         launches[f"llama-server alone ({q4.stem})"] = LaunchSpec(**{**factory.launch().__dict__, "model": q4})
     notes, guarded = {}, {}
@@ -125,10 +130,16 @@ def main() -> None:
         launches[f"{name}, fixed n-max 3"] = fixed
         if spec.n_max:
             guarded[f"{name}, cost rule + live check"] = (f"{name}, cost rule", steps, spec.n_max)
-        notes[name] = {"step_cost_C(1..4)": [round(steps.ratio(n), 3) for n in range(1, steps.max_n + 1)],
+        notes[name] = {"flash_attn": factory.flash_attn() or "llama.cpp's default",
+                       "step_cost_C(1..4)": [round(steps.ratio(n), 3) for n in range(1, steps.max_n + 1)],
                        "draft_cost_per_token_at_n3": round(draft_cost(steps, forward, 3), 4),
                        "calibrated_acceptance": [round(a, 3) for a in acc],
                        "rule": spec.__dict__, "expected_speedup": round(expected, 3)}
+        if factory.flash_attn():  # what the same head's steps cost with llama.cpp's default
+            default = copy.deepcopy(cfg)
+            default.engine.flash_attn = "on"
+            on = UpstreamFactory(default, target, binary=args.llama_server).step_costs(head)
+            notes[name]["step_cost_C(1..4)_flash_attn_on"] = [round(on.ratio(n), 3) for n in range(1, on.max_n + 1)]
     for kind in ("ngram-mod", "ngram-simple"):
         launches[kind] = LaunchSpec(**{**factory.launch().__dict__, "extra": ("--spec-type", kind)})
 

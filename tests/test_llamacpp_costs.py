@@ -14,9 +14,10 @@ from runtime.llamacpp.costs import (
     choose_spec,
     draft_cost,
     expected_speedup,
+    measure_flash_attn,
     parse_bench_json,
 )
-from runtime.llamacpp.upstream import SpecParams
+from runtime.llamacpp.upstream import LaunchSpec, SpecParams
 
 # llama.cpp on a 2-core AVX2 EPYC, SmolLM2-135M (issue #23): f32 forwards of 5 tokens cost 1.40x
 # one token, Q4_1 2.9x; a step drafting n tokens adds n head forwards of 0.06 target steps each
@@ -91,3 +92,60 @@ def test_llama_bench_json_rows_become_forward_costs_from_the_median_sample():
         parse_bench_json(json.dumps(rows), 4)
     with pytest.raises(LivedraftError, match="cannot read llama-bench"):
         parse_bench_json("not json", 3)
+
+
+class _FakeUpstream:
+    """Stands in for a llama-server process: `started` records each start's -fa."""
+
+    started: list[str] = []
+
+    def __init__(self, launch: LaunchSpec, version: str = "") -> None:
+        self.launch = launch
+
+    def start(self, timeout_s: float) -> _FakeUpstream:
+        self.started.append(self.launch.flash_attn)
+        return self
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("on_ms", "off_ms", "choice"), [(30.9, 25.8, "off"), (23.4, 23.3, ""), (20.0, 26.0, "")])
+def test_flash_attention_is_turned_off_only_where_the_target_alone_measured_faster_without_it(
+        monkeypatch, tmp_path, on_ms, off_ms, choice):
+    """(30.9, 25.8): a 2-core Xeon at a 512-token context, 2 threads; a tie keeps llama.cpp's default."""
+    import runtime.llamacpp.costs as costs
+
+    monkeypatch.setattr(costs, "Upstream", _FakeUpstream)
+    monkeypatch.setattr(_FakeUpstream, "started", [])
+    prompts = []
+
+    def step_seconds(up, tokens, prompt):
+        prompts.append(len(prompt))
+        return (on_ms if up.launch.flash_attn == "on" else off_ms) / 1000
+
+    monkeypatch.setattr(costs, "_step_seconds", step_seconds)
+    launch = lambda fa: LaunchSpec(binary=tmp_path / "llama-server", model=tmp_path / "t.gguf", flash_attn=fa)  # noqa: E731
+    cache = tmp_path / "fa.json"
+    assert measure_flash_attn(launch, cache, context=448) == choice
+    assert _FakeUpstream.started == ["on", "off"] and set(prompts) == {448} and len(prompts) == 6
+    seconds = {"on": on_ms / 1000, "off": off_ms / 1000}
+    assert json.loads(cache.read_text()) == {"flash_attn": choice, "seconds": seconds}
+    assert measure_flash_attn(launch, cache) == choice and _FakeUpstream.started == ["on", "off"]  # cached
+
+
+def test_a_launch_passes_flash_attention_only_when_chosen(tmp_path):
+    base = LaunchSpec(binary=tmp_path / "llama-server", model=tmp_path / "t.gguf")
+    assert "-fa" not in base.argv(8080)
+    argv = LaunchSpec(**{**base.__dict__, "flash_attn": "off"}).argv(8080)
+    assert argv[argv.index("-fa") + 1] == "off"
+
+
+def test_an_unknown_flash_attention_setting_is_refused_with_the_choices():
+    from online.config import Config, ConfigError
+    from online.serving.llama import UpstreamFactory
+
+    cfg = Config()
+    cfg.engine.flash_attn = "maybe"
+    with pytest.raises(ConfigError, match="engine.flash_attn must be one of auto, on, off, got 'maybe'"):
+        UpstreamFactory(cfg, None)

@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from online.commands.engine import llamacpp_locations
-from online.config import Config
+from online.config import FLASH_ATTN, Config, ConfigError
 from runtime.errors import LivedraftError
 from runtime.hotswap import DrafterRef, DrafterSource, HotSwapper
 from runtime.llamacpp.binary import find_llama_server
 from runtime.llamacpp.costs import (
+    FLASH_ATTN_CONTEXT,
     StepCosts,
     choose_spec,
     cost_key,
+    measure_flash_attn,
     measure_step_costs,
     served_speedup,
 )
@@ -91,21 +93,42 @@ class UpstreamFactory:
 
     def __init__(self, cfg: Config, target: LlamaTarget, *, binary: str | None = None) -> None:
         self.cfg, self.target = cfg, target
+        if cfg.engine.flash_attn not in FLASH_ATTN:
+            raise ConfigError(f"engine.flash_attn must be one of {', '.join(FLASH_ATTN)}, "
+                              f"got {cfg.engine.flash_attn!r}")
         self.binary = find_llama_server(binary, llamacpp_locations(cfg))
         self.costs_dir = Path(cfg.models.cache_dir).expanduser() / "llama.cpp-costs"
+        self._flash_attn: str | None = None if cfg.engine.flash_attn == "auto" else cfg.engine.flash_attn
 
     def launch(self, head: Path | None = None, spec: SpecParams = NO_HEAD) -> LaunchSpec:
+        return self._launch(head, spec, self.flash_attn())
+
+    def _launch(self, head: Path | None, spec: SpecParams, flash_attn: str) -> LaunchSpec:
         e = self.cfg.engine
         return LaunchSpec(binary=self.binary, model=self.target.gguf, head=head, spec=spec, threads=e.threads,
-                          parallel=e.parallel, ctx_per_slot=e.ctx_per_slot,
+                          parallel=e.parallel, ctx_per_slot=e.ctx_per_slot, flash_attn=flash_attn,
                           log_dir=self.cfg.data_path / "logs")
+
+    def flash_attn(self) -> str:
+        """llama-server's -fa for every process started here: engine.flash_attn, or for "auto" what
+        this machine measured faster for the target alone (once, cached beside the step costs; "" keeps
+        llama.cpp's default)."""
+        if self._flash_attn is None:
+            e = self.cfg.engine
+            key = cost_key(self.target.gguf, e.threads, e.parallel, e.ctx_per_slot)
+            context = min(FLASH_ATTN_CONTEXT, e.ctx_per_slot - 64)
+            self._flash_attn = measure_flash_attn(lambda fa: self._launch(None, NO_HEAD, fa),
+                                                  self.costs_dir / f"flash-attn-{key}.json", context=context,
+                                                  start_timeout_s=e.start_timeout_s)
+        return self._flash_attn
 
     def step_costs(self, head: Path) -> StepCosts:
         """This machine's step costs for the target with a head of `head`'s architecture (measured on
         llama-server once, cached under models.cache_dir/llama.cpp-costs; the same for every version
         of a lineage, whose files differ only in values)."""
         e = self.cfg.engine
-        key = cost_key(self.target.gguf, f"head-bytes-{head.stat().st_size}", e.threads, e.parallel, e.ctx_per_slot)
+        key = cost_key(self.target.gguf, f"head-bytes-{head.stat().st_size}", e.threads, e.parallel, e.ctx_per_slot,
+                       f"fa-{self.flash_attn()}")
         cache = self.costs_dir / f"steps-{key}.json"
         return measure_step_costs(lambda spec: self.launch(head if spec.n_max else None, spec), cache,
                                   start_timeout_s=e.start_timeout_s)

@@ -17,6 +17,10 @@ acceptance). The probability floor is the marginal cost of the last drafted toke
 C(n) - C(n - 1): a head that is calibrated then drafts one more token only where it expects it
 to pay (EAGLE-2's rule). llama-bench's n-token forward costs (`measure_forward_costs`) split
 C(n) into the target's verify cost and the head's cost per drafted token, for reports.
+
+Flash attention is chosen the same way, by measuring (`measure_flash_attn`): llama.cpp turns it on
+by default, and on CPUs its kernel can cost more than the attention it replaces, for one token a
+step at long contexts and for the several rows of a verify step at any context.
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ def _position(acceptance: Sequence[float], i: int) -> float:
 # -- measuring -------------------------------------------------------------------------------
 
 PROBE_PROMPT = list(range(100, 164))  # any 64 ids: a step's cost does not depend on the text
+FLASH_ATTN_CONTEXT = 512  # the probe's prompt tokens: attention's share of a step grows with the context
+FLASH_ATTN_MARGIN = 0.98  # flash attention is turned off only where that makes a step this much cheaper
 
 
 def measure_step_costs(launch: Callable[[SpecParams], LaunchSpec], cache: Path, *, max_n: int = MAX_N,
@@ -160,8 +166,34 @@ def measure_step_costs(launch: Callable[[SpecParams], LaunchSpec], cache: Path, 
     return StepCosts(tuple(seconds))
 
 
-def _step_seconds(up: Upstream, tokens: int) -> float:
-    body = {"prompt": PROBE_PROMPT, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
+def measure_flash_attn(launch: Callable[[str], LaunchSpec], cache: Path, *, context: int = FLASH_ATTN_CONTEXT,
+                       requests: int = 2, tokens: int = 32, start_timeout_s: float = 120.0) -> str:
+    """"off" where llama-server alone (`launch("on")` against `launch("off")`) decodes a step after a
+    `context`-token prompt faster with flash attention off (by FLASH_ATTN_MARGIN), else "" (llama.cpp's
+    own default): the median of `requests` requests after one that warms up. Measured once and
+    cached in `cache` (a JSON file with both timings)."""
+    if cache.is_file():
+        return json.loads(cache.read_text())["flash_attn"]
+    log.info("measuring llama-server's decoding step with flash attention on and off (once per machine and target)")
+    seconds = {}
+    for fa in ("on", "off"):
+        up = Upstream(launch(fa), version=f"flash-attn-probe-{fa}").start(start_timeout_s)
+        try:
+            per_step = [_step_seconds(up, tokens, list(range(100, 100 + context))) for _ in range(requests + 1)][1:]
+        finally:
+            up.stop()
+        seconds[fa] = statistics.median(per_step)
+    choice = "off" if seconds["off"] < FLASH_ATTN_MARGIN * seconds["on"] else ""
+    log.info("llama-server here: a decoding step at a %d-token context takes %.1f ms with flash attention on, "
+             "%.1f ms off: %s", context, 1000 * seconds["on"], 1000 * seconds["off"],
+             "served with it off" if choice else "llama.cpp's default kept")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"flash_attn": choice, "seconds": seconds}))
+    return choice
+
+
+def _step_seconds(up: Upstream, tokens: int, prompt: list[int] = PROBE_PROMPT) -> float:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
             "ignore_eos": True}
     conn, resp = up.open_stream({**body, "stream": False}, 120.0)
     try:

@@ -62,6 +62,7 @@ class LaunchSpec:
     threads: int = 0  # 0: llama-server's default
     parallel: int = 4  # slots: requests decoded together
     ctx_per_slot: int = 2048
+    flash_attn: str = ""  # llama-server's -fa (on, off, auto); empty: its default
     extra: tuple[str, ...] = ()
     log_dir: Path | None = None
 
@@ -70,6 +71,8 @@ class LaunchSpec:
                 "-np", str(self.parallel), "-c", str(self.ctx_per_slot * self.parallel), "--no-webui"]
         if self.threads > 0:
             argv += ["-t", str(self.threads), "-tb", str(self.threads)]
+        if self.flash_attn:
+            argv += ["-fa", self.flash_attn]
         return argv + self.spec.args(self.head) + list(self.extra)
 
 
