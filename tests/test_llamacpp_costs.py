@@ -124,7 +124,7 @@ def test_flash_attention_is_turned_off_only_where_the_target_alone_measured_fast
         prompts.append(len(prompt))
         return (on_ms if up.launch.flash_attn == "on" else off_ms) / 1000
 
-    monkeypatch.setattr(costs, "_step_seconds", step_seconds)
+    monkeypatch.setattr(costs, "step_seconds", step_seconds)
     launch = lambda fa: LaunchSpec(binary=tmp_path / "llama-server", model=tmp_path / "t.gguf", flash_attn=fa)  # noqa: E731
     cache = tmp_path / "fa.json"
     assert measure_flash_attn(launch, cache, context=448) == choice

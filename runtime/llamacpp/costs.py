@@ -157,7 +157,7 @@ def measure_step_costs(launch: Callable[[SpecParams], LaunchSpec], cache: Path, 
     for n in range(max_n + 1):
         up = Upstream(launch(SpecParams(n, 0.0)), version=f"cost-probe-{n}").start(start_timeout_s)
         try:
-            per_step = [_step_seconds(up, tokens) for _ in range(requests + 1)][1:]  # the first warms up
+            per_step = [step_seconds(up, tokens) for _ in range(requests + 1)][1:]  # the first warms up
         finally:
             up.stop()
         seconds.append(statistics.median(per_step))
@@ -179,7 +179,7 @@ def measure_flash_attn(launch: Callable[[str], LaunchSpec], cache: Path, *, cont
     for fa in ("on", "off"):
         up = Upstream(launch(fa), version=f"flash-attn-probe-{fa}").start(start_timeout_s)
         try:
-            per_step = [_step_seconds(up, tokens, list(range(100, 100 + context))) for _ in range(requests + 1)][1:]
+            per_step = [step_seconds(up, tokens, list(range(100, 100 + context))) for _ in range(requests + 1)][1:]
         finally:
             up.stop()
         seconds[fa] = statistics.median(per_step)
@@ -192,7 +192,9 @@ def measure_flash_attn(launch: Callable[[str], LaunchSpec], cache: Path, *, cont
     return choice
 
 
-def _step_seconds(up: Upstream, tokens: int, prompt: list[int] = PROBE_PROMPT) -> float:
+def step_seconds(up: Upstream, tokens: int, prompt: list[int] = PROBE_PROMPT) -> float:
+    """Seconds per decoding step of a greedy request for `tokens` tokens after `prompt`, from llama-server's
+    own timings (generation only; a step that accepted drafts still counts once)."""
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
             "ignore_eos": True}
     conn, resp = up.open_stream({**body, "stream": False}, 120.0)
