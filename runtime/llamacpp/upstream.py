@@ -32,6 +32,10 @@ SIGILL_HINT = (" (an illegal instruction: this llama-server runs kernels this CP
                "`livedraft engine install llama-server --force` builds one here)")
 
 
+BIND_FAILURE = "couldn't bind HTTP server socket"  # llama-server's log line when its port is taken
+BIND_ATTEMPTS = 3
+
+
 class UpstreamError(LivedraftError):
     """llama-server did not start, died, or failed a request; the message says why."""
 
@@ -110,10 +114,21 @@ class Upstream:
 
     def start(self, timeout_s: float = 120.0) -> Upstream:
         """Starts the process and blocks until /health answers 200. Raises UpstreamError (with the
-        process's last log lines) when it exits or is not healthy within `timeout_s`."""
+        process's last log lines) when it exits or is not healthy within `timeout_s`. A free port is
+        chosen before llama-server binds it, so another process can take it between the two: a start
+        that could not bind is tried again on another port, up to BIND_ATTEMPTS times."""
         self.restarting = True
         try:
-            self._start(timeout_s)
+            for attempt in range(1, BIND_ATTEMPTS + 1):
+                self._tail.clear()
+                try:
+                    self._start(timeout_s)
+                    break
+                except UpstreamError:
+                    if attempt == BIND_ATTEMPTS or not any(BIND_FAILURE in ln for ln in self._tail):
+                        raise
+                    log.warning("llama-server for drafter %s could not bind port %d (taken since it was chosen): "
+                                "starting it again on another", self.version, self.port)
         finally:
             self.restarting = False
         return self
@@ -144,7 +159,7 @@ class Upstream:
                 code = self.process.returncode
                 hint = SIGILL_HINT if code in (-signal.SIGILL, 128 + signal.SIGILL) else ""
                 raise UpstreamError(f"llama-server exited with code {code} while starting{hint}: {self.last_words()}")
-            if self.healthy():
+            if self.healthy() and self.alive:  # a 200 from a process that has exited came from another one
                 return
             if time.monotonic() > deadline:
                 raise UpstreamError(f"llama-server was not healthy within {timeout_s:.0f}s: {self.last_words()}")
