@@ -27,7 +27,7 @@ class PortTaken(BrokerUnavailable):
     running without a listener)."""
 
 
-def listening_pids_port(pid: int, port: int) -> bool | None:
+def holds_listener(pid: int, port: int) -> bool | None:
     """Whether process `pid` holds a listening TCP socket on `port` (Linux's /proc); None where /proc
     cannot tell."""
     inodes = set()
@@ -73,8 +73,8 @@ class KafkaBroker:
 
     def start(self, timeout_s: float = 20.0) -> KafkaBroker:
         """Starts the broker and blocks until its port accepts connections (BrokerUnavailable otherwise).
-        A broker on a port chosen here that exits while starting (the port taken meanwhile by another
-        process) is started again on another port, three times at most."""
+        A broker on a port chosen here that could not bind it (taken meanwhile by another process: tansu
+        logs AddrInUse and keeps running) is started again on another port, three times at most."""
         attempts = 3 if self._chosen else 1
         for attempt in range(1, attempts + 1):
             try:
@@ -103,7 +103,7 @@ class KafkaBroker:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     pass
-                if listening_pids_port(self.proc.pid, self.port) is not False:  # tansu's, not another's
+                if holds_listener(self.proc.pid, self.port) is not False:  # tansu's, not another's
                     return self
             except OSError:
                 pass

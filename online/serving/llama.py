@@ -115,8 +115,8 @@ class UpstreamFactory:
         llama.cpp's default)."""
         if self._flash_attn is None:
             e = self.cfg.engine
-            key = cost_key(self.target.gguf, e.threads, e.parallel, e.ctx_per_slot)
-            context = min(FLASH_ATTN_CONTEXT, e.ctx_per_slot - 64)
+            key = cost_key(self.binary, self.target.gguf, e.threads, e.parallel, e.ctx_per_slot)
+            context = max(16, min(FLASH_ATTN_CONTEXT, e.ctx_per_slot - 64))
             self._flash_attn = measure_flash_attn(lambda fa: self._launch(None, NO_HEAD, fa),
                                                   self.costs_dir / f"flash-attn-{key}.json", context=context,
                                                   start_timeout_s=e.start_timeout_s)
@@ -124,11 +124,11 @@ class UpstreamFactory:
 
     def step_costs(self, head: Path) -> StepCosts:
         """This machine's step costs for the target with a head of `head`'s architecture (measured on
-        llama-server once, cached under models.cache_dir/llama.cpp-costs; the same for every version
-        of a lineage, whose files differ only in values)."""
+        llama-server once per binary, cached under models.cache_dir/llama.cpp-costs; the same for every
+        version of a lineage, whose files differ only in values)."""
         e = self.cfg.engine
-        key = cost_key(self.target.gguf, f"head-bytes-{head.stat().st_size}", e.threads, e.parallel, e.ctx_per_slot,
-                       f"fa-{self.flash_attn()}")
+        key = cost_key(self.binary, self.target.gguf, f"head-bytes-{head.stat().st_size}", e.threads, e.parallel,
+                       e.ctx_per_slot, f"fa-{self.flash_attn()}")
         cache = self.costs_dir / f"steps-{key}.json"
         return measure_step_costs(lambda spec: self.launch(head if spec.n_max else None, spec), cache,
                                   start_timeout_s=e.start_timeout_s)
