@@ -16,8 +16,10 @@ the head's training (default: an untrained head of the target's shape).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -64,11 +66,11 @@ def main() -> None:
     cfg.engine.target_type, cfg.engine.flash_attn = "f32", "on"  # every launch below sets -fa itself
     target = resolve_llama_target(args.target, cfg)  # an f32 GGUF where llama.cpp's converter is installed
     factory = UpstreamFactory(cfg, target, binary=args.llama_server)
-    tmp = Path(tempfile.mkdtemp(prefix="llama-steps-"))
+    tmp = Path(tempfile.mkdtemp(prefix="llama-steps-"))  # the untrained head and its GGUF, removed at exit
+    atexit.register(shutil.rmtree, tmp, True)
     head = head_gguf(Path(args.head) if args.head else untrained_head(args.target, tmp / "untrained"), target)
 
-    configs = {(fa, n): dataclasses.replace(factory.launch(head if n else None, SpecParams(n, 0.0) if n else
-                                                           SpecParams()), flash_attn=fa)
+    configs = {(fa, n): dataclasses.replace(factory.launch(head if n else None, SpecParams(n, 0.0)), flash_attn=fa)
                for fa in ("on", "off") for n in [0, *drafts]}
     ms: dict[tuple[str, int, int], list[float]] = {}
     for r in range(args.rounds):

@@ -153,14 +153,8 @@ def measure_step_costs(launch: Callable[[SpecParams], LaunchSpec], cache: Path, 
         return StepCosts(tuple(json.loads(cache.read_text())["seconds"]))
     log.info("measuring llama-server's step costs for drafts of 0..%d tokens (once per machine, target and "
              "head architecture)", max_n)
-    seconds = []
-    for n in range(max_n + 1):
-        up = Upstream(launch(SpecParams(n, 0.0)), version=f"cost-probe-{n}").start(start_timeout_s)
-        try:
-            per_step = [step_seconds(up, tokens) for _ in range(requests + 1)][1:]  # the first warms up
-        finally:
-            up.stop()
-        seconds.append(statistics.median(per_step))
+    seconds = [probe_step(launch(SpecParams(n, 0.0)), f"cost-probe-{n}", requests=requests, tokens=tokens,
+                          start_timeout_s=start_timeout_s) for n in range(max_n + 1)]
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"seconds": seconds}))
     return StepCosts(tuple(seconds))
@@ -175,14 +169,9 @@ def measure_flash_attn(launch: Callable[[str], LaunchSpec], cache: Path, *, cont
     if cache.is_file():
         return json.loads(cache.read_text())["flash_attn"]
     log.info("measuring llama-server's decoding step with flash attention on and off (once per machine and target)")
-    seconds = {}
-    for fa in ("on", "off"):
-        up = Upstream(launch(fa), version=f"flash-attn-probe-{fa}").start(start_timeout_s)
-        try:
-            per_step = [step_seconds(up, tokens, list(range(100, 100 + context))) for _ in range(requests + 1)][1:]
-        finally:
-            up.stop()
-        seconds[fa] = statistics.median(per_step)
+    prompt = list(range(100, 100 + context))
+    seconds = {fa: probe_step(launch(fa), f"flash-attn-probe-{fa}", requests=requests, tokens=tokens, prompt=prompt,
+                              start_timeout_s=start_timeout_s) for fa in ("on", "off")}
     choice = "off" if seconds["off"] < FLASH_ATTN_MARGIN * seconds["on"] else ""
     log.info("llama-server here: a decoding step at a %d-token context takes %.1f ms with flash attention on, "
              "%.1f ms off: %s", context, 1000 * seconds["on"], 1000 * seconds["off"],
@@ -190,6 +179,17 @@ def measure_flash_attn(launch: Callable[[str], LaunchSpec], cache: Path, *, cont
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"flash_attn": choice, "seconds": seconds}))
     return choice
+
+
+def probe_step(launch: LaunchSpec, version: str, *, requests: int, tokens: int, prompt: list[int] = PROBE_PROMPT,
+               start_timeout_s: float = 120.0) -> float:
+    """Seconds per decoding step of a llama-server started with `launch` (then stopped): the median of
+    `requests` requests for `tokens` tokens after `prompt`, after one that warms it up."""
+    up = Upstream(launch, version=version).start(start_timeout_s)
+    try:
+        return statistics.median([step_seconds(up, tokens, prompt) for _ in range(requests + 1)][1:])
+    finally:
+        up.stop()
 
 
 def step_seconds(up: Upstream, tokens: int, prompt: list[int] = PROBE_PROMPT) -> float:
