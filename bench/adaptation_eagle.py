@@ -9,7 +9,7 @@ import math
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -91,17 +91,28 @@ def cross_fit(items: list[T], fit: Callable[[list[T], int], M], score: Callable[
     return out  # type: ignore[return-value]
 
 
-def held_out(n: int, n_hold: int, mode: str = "newest") -> set[int]:
+def held_out(n: int, n_hold: int, mode: str = "newest", ids: Sequence[int] | None = None) -> set[int]:
     """Indices of a window of `n` traces (oldest first) held out for the gate: the newest `n_hold`
-    (what the daemon does), or `n_hold` spread evenly over the window, the newest included, so a
-    round also trains on the newest traffic (an A/B of this bench, docs/benchmarks.md)."""
+    (what the daemon does), `n_hold` spread evenly over the window, the newest included, so a
+    round also trains on the newest traffic, or ("stable") every m-th request of the stream by its
+    index `ids` (m = n / n_hold, rounded): held out for life, so a round also trains on the newest
+    traffic and no gate scores a trace an earlier round of the lineage trained on, which "spread",
+    whose positions move with the window, allows (A/Bs of this bench, docs/benchmarks.md)."""
     if not 1 <= n_hold < n:
         raise ValueError(f"need 1 <= n_hold < n, got n_hold={n_hold} n={n}")
     if mode == "newest":
         return set(range(n - n_hold, n))
     if mode == "spread":
         return {n - 1 - (i * n) // n_hold for i in range(n_hold)}
-    raise ValueError(f"unknown holdout mode {mode!r}: newest or spread")
+    if mode == "stable":
+        if ids is None or len(ids) != n:
+            raise ValueError(f"the stable holdout needs the window's {n} request indices")
+        m = max(2, round(n / n_hold))
+        held = {i for i, r in enumerate(ids) if r % m == m - 1}
+        if not 1 <= len(held) < n:
+            raise ValueError(f"a window of {n} requests holds {len(held)} for the gate: a longer window, please")
+        return held
+    raise ValueError(f"unknown holdout mode {mode!r}: newest, spread or stable")
 
 
 def after_gate(champion: Path, parent: Path, candidate: Path, promoted: bool, lineage: str, keep: Path,
@@ -169,7 +180,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         if r0 + args.every >= len(logged):
             break
         window = served[-args.window :]
-        held = held_out(len(window), max(1, round(len(window) * args.holdout)), args.holdout_mode)
+        held = held_out(len(window), max(1, round(len(window) * args.holdout)), args.holdout_mode,
+                        [int(t.request_id[4:]) for t in window])
         train = [t for i, t in enumerate(window) if i not in held]
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()

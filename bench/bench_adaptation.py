@@ -147,8 +147,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=8, help="W: requests between training rounds")
     ap.add_argument("--window", type=int, default=32, help="newest served traces a round sees")
     ap.add_argument("--holdout", type=float, default=0.25, help="newest share of the window held out for the gate")
-    ap.add_argument("--holdout-mode", choices=("newest", "spread"), default="newest",
-                    help="eagle: hold out the newest share of the window, or the same share spread evenly over it")
+    ap.add_argument("--holdout-mode", choices=("newest", "spread", "stable"), default="newest",
+                    help="eagle: hold out the newest share of the window, the same share spread evenly over it, "
+                         "or (stable) every m-th request of the stream for life, m = 1 / --holdout")
     ap.add_argument("--steps", type=int, help="optimizer steps per round (default: model 14, eagle 16)")
     ap.add_argument("--batch-size", type=int, help="traces per step (default: model 4, eagle 8)")
     ap.add_argument("--lr", type=float, help="learning rate (default: model 1e-3, eagle 5e-4)")

@@ -151,7 +151,7 @@ def test_the_gates_noise_is_the_standard_error_of_the_paired_per_request_differe
         paired_se(champion, champion[:2])
 
 
-def test_the_gate_holds_out_the_newest_traces_or_the_same_share_spread_over_the_window():
+def test_the_gate_holds_out_the_newest_traces_the_same_share_spread_or_every_mth_request_for_life():
     from bench.adaptation_eagle import held_out
 
     assert held_out(32, 8) == set(range(24, 32))
@@ -161,6 +161,15 @@ def test_the_gate_holds_out_the_newest_traces_or_the_same_share_spread_over_the_
     for bad in ((8, 0, "newest"), (8, 8, "newest"), (8, 2, "oldest")):
         with pytest.raises(ValueError):
             held_out(*bad)
+    # stable: every m-th request of the stream by index, whatever its place in the window
+    assert held_out(8, 2, "stable", list(range(10, 18))) == {1, 5}  # requests 11 and 15
+    later = list(range(14, 22))  # the window moved by 4: request 15 is still held out, and 19
+    assert [later[i] for i in held_out(8, 2, "stable", later)] == [15, 19]
+    assert held_out(64, 13, "stable", list(range(300, 364))) == {i for i in range(64) if (300 + i) % 5 == 4}
+    with pytest.raises(ValueError):
+        held_out(8, 2, "stable")  # the indices are needed
+    with pytest.raises(ValueError):
+        held_out(3, 1, "stable", [0, 1, 3])  # no request of this window is held out
 
 
 def test_a_round_trains_from_the_champion_or_from_the_last_candidate_and_frees_what_neither_needs():
