@@ -237,7 +237,10 @@ class DaemonConfig:
     min_new_traces: int = 200
     check_interval_s: float = 5.0  # how often the new-traces trigger counts (one cheap query)
     window_traces: int = 1000  # newest traces a round reads (train + held out)
-    holdout_traces: int = 100  # newest of those held out for the promotion gate
+    holdout_traces: int = 100  # how many of those are held out for the promotion gate
+    # which: "newest", the newest holdout_traces; "stable", one request in every window_traces / holdout_traces by
+    # a hash of its id, held out for life, so a round also trains on the newest traffic (docs/benchmarks.md)
+    holdout: str = "newest"
     tag: str = ""  # train only on traffic with this domain/tenant tag; empty = all
     retry_backoff_s: float = 30.0  # after a failed round, doubling up to interval_s while failures repeat
     drain_timeout_s: float = 60.0  # on SIGTERM, wait this long for a running round before abandoning it

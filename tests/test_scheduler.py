@@ -32,8 +32,9 @@ class FakeStore:
     def max_id(self):
         return self.n
 
-    def training_window(self, limit, holdout, tag=None):
+    def training_window(self, limit, holdout, tag=None, mode="newest"):
         self.windows += 1
+        self.modes = [*getattr(self, "modes", []), mode]
         if self.n < 2:
             raise NotEnoughData(f"{self.n} traces")
         return TraceWindow([], [], start=max(1, self.n - limit + 1), end=self.n)
@@ -194,6 +195,15 @@ def test_a_round_whose_champion_was_rolled_back_meanwhile_neither_promotes_nor_t
 def test_a_window_without_room_for_training_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="holdout_traces < window_traces"):
         service(tmp_path, FakeStore(), fake_result, window_traces=10, holdout_traces=10)
+    with pytest.raises(ConfigError, match="holdout must be one of newest, stable, got 'oldest'"):
+        service(tmp_path, FakeStore(), fake_result, holdout="oldest")
+
+
+def test_a_round_reads_its_window_with_the_configured_holdout(tmp_path):
+    for holdout in ("newest", "stable"):
+        store = FakeStore(50)
+        svc, _ = service(tmp_path / holdout, store, lambda *a, **k: fake_result(), holdout=holdout)
+        assert svc.run_round_once().ok and store.modes == [holdout]
 
 
 def test_not_enough_data_is_a_skip_not_a_failure(tmp_path):

@@ -129,6 +129,29 @@ def test_training_window_holds_out_the_newest(store):
         store.training_window(3, 3)
 
 
+def test_the_stable_holdout_keeps_the_same_requests_out_of_training_in_every_window(store):
+    from online.trainer.windows import held_for_life
+
+    ts = traces(60, tag="t")
+    store.write_traces(ts[:40])
+    first = store.training_window(30, 6, tag="t", mode="stable")  # one request in 5, by its id
+    store.write_traces(ts[40:])
+    later = store.training_window(30, 6, tag="t", mode="stable")  # the window moved by 20
+    ids = [t.request_id for t in ts]
+    for w, newest in ((first, 40), (later, 60)):
+        window = ids[newest - 30 : newest]
+        assert [t.request_id for t in w.holdout] == [r for r in window if held_for_life(r, 5)]
+        assert [t.request_id for t in w.train] == [r for r in window if not held_for_life(r, 5)]
+        assert w.train[-1].request_id in window[-5:]  # a round trains on the newest traffic too
+        assert w.describe()["first_request_id"] == window[0] and w.describe()["last_request_id"] == window[-1]
+    # what one gate scored, no later round trains on
+    assert not {t.request_id for t in first.holdout} & {t.request_id for t in later.train}
+    assert 0 < len(later.holdout) < 15
+    assert [t.request_id for t in store.training_window(30, 6, tag="t").holdout] == ids[54:]  # default: newest
+    with pytest.raises(StoreError, match="unknown holdout 'oldest'"):
+        store.training_window(30, 6, mode="oldest")
+
+
 def test_dead_letters_are_kept_once_per_position(store):
     store.write_dead_letter(b"\xc1", "not msgpack", source="sql", offset=7)
     store.write_dead_letter(b"\xc1", "not msgpack", source="sql", offset=7)  # redelivered

@@ -27,7 +27,7 @@ from sqlalchemy.pool import StaticPool
 from online.store import models as m
 from online.store.migrate import current_revision, head_revision, upgrade_db
 from online.stream.events import decode_trace, encode_trace
-from online.trainer.windows import NotEnoughData, TraceWindow
+from online.trainer.windows import HOLDOUTS, NotEnoughData, TraceWindow, split_stable
 from runtime.errors import LivedraftError
 from runtime.trace import RequestTrace
 
@@ -239,18 +239,24 @@ class Store:
         return [t for _, t in self._window_rows(limit, since, until, tag, after_id, before_id)]
 
     def training_window(self, limit: int, holdout: int, *, tag: str | None = None,
-                        since: float | None = None, until: float | None = None) -> TraceWindow:
+                        since: float | None = None, until: float | None = None, mode: str = "newest") -> TraceWindow:
         """The most recent `limit` matching traces, split so that the newest `holdout` of them
-        are held out (never in `train`). start/end are the first and last store ids.
-        Raises NotEnoughData when at most `holdout` traces match."""
+        are held out (never in `train`), or with `mode` "stable" one in every `limit / holdout`
+        (rounded) by a hash of the request id, wherever it lies in the window (online.trainer.windows.
+        held_for_life). start/end are the first and last store ids.
+        Raises NotEnoughData when at most `holdout` traces match, or (stable) either side is empty."""
 
         if holdout < 1 or limit <= holdout:
             raise StoreError(f"training window needs 1 <= holdout < limit, got limit={limit} holdout={holdout}")
+        if mode not in HOLDOUTS:
+            raise StoreError(f"unknown holdout {mode!r}: one of {', '.join(HOLDOUTS)}")
         rows = self._window_rows(limit, since, until, tag, 0, None)
         if len(rows) <= holdout:
             raise NotEnoughData(f"{len(rows)} matching traces in the store, need more than holdout={holdout}: "
                                 "wait for more traffic or lower the holdout")
         traces = [t for _, t in rows]
+        if mode == "stable":
+            return split_stable(traces, max(2, round(limit / holdout)), start=rows[0][0], end=rows[-1][0])
         return TraceWindow(traces[:-holdout], traces[-holdout:], rows[0][0], rows[-1][0])
 
     def iter_window(self, *, limit: int | None = None, since: float | None = None, until: float | None = None,

@@ -32,6 +32,7 @@ from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
 from online.trainer.features import PassCache
 from online.trainer.round import RoundResult, TraceWindow, run_round, training_device, trains_on
+from online.trainer.windows import HOLDOUTS
 from runtime.errors import LivedraftError
 from runtime.loader import OPTIMIZER_STATE, LoadedModel
 
@@ -51,8 +52,8 @@ class TraceStore(Protocol):
         """The newest trace id, 0 when empty."""
         ...
 
-    def training_window(self, limit: int, holdout: int, tag: str | None = None) -> TraceWindow:
-        """The newest `limit` traces, the newest `holdout` of them held out. Raises NotEnoughData."""
+    def training_window(self, limit: int, holdout: int, tag: str | None = None, mode: str = "newest") -> TraceWindow:
+        """The newest `limit` traces, `holdout` of them held out as `mode` (HOLDOUTS) picks. Raises NotEnoughData."""
         ...
 
 
@@ -108,6 +109,8 @@ class TrainerService:
         if not 1 <= d.holdout_traces < d.window_traces:
             raise ConfigError(f"[daemon] needs 1 <= holdout_traces < window_traces, got holdout_traces="
                               f"{d.holdout_traces} window_traces={d.window_traces}")
+        if d.holdout not in HOLDOUTS:
+            raise ConfigError(f"[daemon] holdout must be one of {', '.join(HOLDOUTS)}, got {d.holdout!r}")
         self.stats = ServiceStats()
         # the target's passes over the last round's traces, for the next round's overlapping window
         self.passes = PassCache(cfg.trainer.feature_cache_mb << 20)
@@ -144,7 +147,8 @@ class TrainerService:
         newest = self._last_id
         try:
             newest = self.store.max_id()
-            window = self.store.training_window(d.window_traces, d.holdout_traces, tag=d.tag or None)
+            window = self.store.training_window(d.window_traces, d.holdout_traces, tag=d.tag or None,
+                                                 mode=d.holdout)
             champion = self.registry.champion()
             parent = self._parent(champion)
             if self._stopping.is_set():
