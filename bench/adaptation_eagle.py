@@ -93,11 +93,11 @@ def cross_fit(items: list[T], fit: Callable[[list[T], int], M], score: Callable[
 
 def held_out(n: int, n_hold: int, mode: str = "newest", ids: Sequence[int] | None = None) -> set[int]:
     """Indices of a window of `n` traces (oldest first) held out for the gate: the newest `n_hold`
-    (what the daemon does), `n_hold` spread evenly over the window, the newest included, so a
-    round also trains on the newest traffic, or ("stable") every m-th request of the stream by its
-    index `ids` (m = n / n_hold, rounded): held out for life, so a round also trains on the newest
-    traffic and no gate scores a trace an earlier round of the lineage trained on, which "spread",
-    whose positions move with the window, allows (A/Bs of this bench, docs/benchmarks.md)."""
+    (daemon.holdout "newest"); `n_hold` spread evenly over the window, the newest included; or
+    ("stable") every m-th request of the stream by its index in `ids` (m = n / n_hold, rounded; the
+    daemon's "stable", its default, hashes the request id). The last two let a round train on the
+    newest traffic; only "stable" also keeps a gate from scoring a trace an earlier round of a
+    trainee lineage trained on ("spread" moves with the window). A/Bs: docs/benchmarks.md."""
     if not 1 <= n_hold < n:
         raise ValueError(f"need 1 <= n_hold < n, got n_hold={n_hold} n={n}")
     if mode == "newest":

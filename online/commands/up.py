@@ -20,10 +20,11 @@ from runtime.errors import LivedraftError
 
 # `--demo` defaults, applied only to keys still at their built-in default (a config file or
 # LIVEDRAFT_* variable wins): small windows and short rounds so a round lands within a minute
-# or two on a laptop CPU.
+# or two on a laptop CPU. The gate holds out the newest 4 of 24: a hash would hold out 0-8 of
+# such a window (daemon.holdout "stable" is for windows of hundreds).
 DEMO_DEFAULTS = {
     "daemon": {"min_new_traces": 10, "check_interval_s": 2.0, "interval_s": 0.0, "window_traces": 24,
-               "holdout_traces": 4, "drain_timeout_s": 90.0},
+               "holdout_traces": 4, "holdout": "newest", "drain_timeout_s": 90.0},
     "trainer": {"steps": 16, "batch_size": 8, "max_seconds": 60.0, "lr": 5e-4},
     "serve": {"poll_s": 1.0, "torch_threads": 1},
     # llama-server beside the trainer on a small CPU: one core each (llama.cpp's spinning threads
