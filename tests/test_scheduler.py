@@ -25,6 +25,7 @@ class FakeStore:
     def __init__(self, n: int = 0) -> None:
         self.n = n
         self.windows = 0
+        self.modes: list[str] = []  # the holdout each window was read with
 
     def count(self, tag=None, after_id=0):
         return self.n - after_id
@@ -34,7 +35,7 @@ class FakeStore:
 
     def training_window(self, limit, holdout, tag=None, mode="newest"):
         self.windows += 1
-        self.modes = [*getattr(self, "modes", []), mode]
+        self.modes.append(mode)
         if self.n < 2:
             raise NotEnoughData(f"{self.n} traces")
         return TraceWindow([], [], start=max(1, self.n - limit + 1), end=self.n)
