@@ -96,9 +96,19 @@ def rate(stats: list[RequestStats]) -> float:
     return RequestStats.total(stats).acceptance_rate if stats else 0.0
 
 
+AFTER_SHIFT = (50, 100)  # the report's acceptance rate over a segment's first requests
+
+
 def last_third(a: int, b: int) -> slice:
     """A segment's last third, [a, b) being the segment's requests."""
     return slice(b - (b - a) // 3, b)
+
+
+def after_shift(adapted: list[RequestStats], start: int, end: int, n: int) -> float:
+    """The adapted drafter's acceptance rate pooled over the first `n` requests of the segment
+    [start, end): how fast it learned after the shift. Unlike `recovery`, no threshold to cross, so it
+    compares two settings on the same traffic with less noise."""
+    return rate(adapted[start : min(start + n, end)])
 
 
 def recovery(adapted: list[RequestStats], start: int, end: int, w: int) -> int | None:
@@ -306,6 +316,7 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
                "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
                "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
                "recovery_requests": recovery(adapted, a, b, 16) if j > 0 else None,
+               "after_shift": {n: round(after_shift(adapted, a, b, n), 3) for n in AFTER_SHIFT} if j > 0 else None,
                "last_third": {"requests": f"{tail.start + 1}-{b}", "frozen": round(f_tail, 3),
                               "adapted": round(a_tail, 3), "gain": round(a_tail - f_tail, 3)}}
         if uns:
@@ -330,14 +341,16 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
          [s.mean_acceptance_length for s in uns] if uns else None)
     print(f"\n{timing}\n")
     print("| domain (requests) | frozen MAL | adapted MAL | frozen acc. rate | adapted acc. rate | gain (acc. rate) "
-          "| first-token acc. frozen → adapted | recovery after shift (requests) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| first-token acc. frozen → adapted | recovery after shift (requests) "
+          f"| acc. rate, first {' / '.join(map(str, AFTER_SHIFT))} after shift |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, a = r["frozen"], r["adapted"]
         print(f"| {r['domain']} ({r['requests']}) | {f['mean_acceptance_length']} | {a['mean_acceptance_length']} | "
               f"{f['acceptance_rate']} | {a['acceptance_rate']} | {r['acceptance_rate_gain']:+} | "
               f"{f['first_token_acceptance']} → {a['first_token_acceptance']} | "
-              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} |")
+              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} | "
+              f"{' / '.join(str(v) for v in r['after_shift'].values()) if r['after_shift'] else '—'} |")
     print("\nLast third of each segment, acceptance rate (gain over the frozen head):\n")
     print("| domain (requests) | frozen | online | offline, cross-fitted | online gain / offline gain |")
     print("|---|---|---|---|---|")

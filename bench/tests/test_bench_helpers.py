@@ -86,7 +86,7 @@ def test_prompt_pools_are_deterministic_and_domain_specific():
 
 
 def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_percent_of_the_last_thirds():
-    from bench.bench_adaptation import last_third, recovery
+    from bench.bench_adaptation import after_shift, last_third, recovery
     from runtime.stats import RequestStats
 
     def served(accepted: list[int]) -> list[RequestStats]:  # one 4-token draft per request
@@ -102,6 +102,8 @@ def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_perce
     # 0.45. A 4-request pooled rate >= 0.45 allows no 0 in the window: first at the 7th request.
     adapted = served([4] * 10 + [0] * 3 + [2] * 27)
     assert recovery(adapted, 10, 40, 4) == 7
+    # the rate over a segment's first n requests: 3 at 0 and 2 at 2 of 4 -> 4 / 20; past the segment's end, its end
+    assert after_shift(adapted, 10, 40, 5) == 0.2 and after_shift(adapted, 10, 40, 100) == 54 / 120
     assert recovery(served([1] * 40), 10, 40, 4) == 4  # flat: recovered once the window is full
     assert recovery(served([0] * 10 + [4] * 4 + [1] * 26), 10, 40, 4) == 4  # level 0.25 there; reached at once
     # a level reached only late: last third 10 of 13 requests at 4 of 4, level 0.77, threshold 0.69; a window
