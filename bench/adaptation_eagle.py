@@ -20,6 +20,7 @@ from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
 from online.trainer.round import ReplayMetrics, decide, target_passes, trains_on
 from online.trainer.warmstart import answer_prompts, warm_start
+from online.trainer.windows import held_for_life
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
 from runtime.drafters.factory import load_feature_drafter
@@ -91,13 +92,14 @@ def cross_fit(items: list[T], fit: Callable[[list[T], int], M], score: Callable[
     return out  # type: ignore[return-value]
 
 
-def held_out(n: int, n_hold: int, mode: str = "newest", ids: Sequence[int] | None = None) -> set[int]:
+def held_out(n: int, n_hold: int, mode: str = "newest", ids: Sequence[str] | None = None) -> set[int]:
     """Indices of a window of `n` traces (oldest first) held out for the gate: the newest `n_hold`
     (daemon.holdout "newest"); `n_hold` spread evenly over the window, the newest included; or
-    ("stable") every m-th request of the stream by its index in `ids` (m = n / n_hold, rounded; the
-    daemon's "stable", its default, hashes the request id). The last two let a round train on the
-    newest traffic; only "stable" also keeps a gate from scoring a trace an earlier round of a
-    trainee lineage trained on ("spread" moves with the window). A/Bs: docs/benchmarks.md."""
+    ("stable", the daemon's default) the requests whose id in `ids` the daemon's own rule holds out
+    for life, one in m = n / n_hold (rounded) by a hash of the id (online.trainer.windows.held_for_life),
+    so a window holds about `n_hold` of them. The last two let a round train on the newest traffic;
+    only "stable" also keeps a gate from scoring a trace an earlier round of a trainee lineage trained
+    on ("spread" moves with the window). A/Bs: docs/benchmarks.md."""
     if not 1 <= n_hold < n:
         raise ValueError(f"need 1 <= n_hold < n, got n_hold={n_hold} n={n}")
     if mode == "newest":
@@ -106,9 +108,9 @@ def held_out(n: int, n_hold: int, mode: str = "newest", ids: Sequence[int] | Non
         return {n - 1 - (i * n) // n_hold for i in range(n_hold)}
     if mode == "stable":
         if ids is None or len(ids) != n:
-            raise ValueError(f"the stable holdout needs the window's {n} request indices")
+            raise ValueError(f"the stable holdout needs the window's {n} request ids")
         m = max(2, round(n / n_hold))
-        held = {i for i, r in enumerate(ids) if r % m == m - 1}
+        held = {i for i, r in enumerate(ids) if held_for_life(r, m)}
         if not 1 <= len(held) < n:
             raise ValueError(f"a window of {n} requests holds {len(held)} for the gate: a longer window, please")
         return held
@@ -181,7 +183,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
             break
         window = served[-args.window :]
         held = held_out(len(window), max(1, round(len(window) * args.holdout)), args.holdout_mode,
-                        [int(t.request_id[4:]) for t in window])
+                        [t.request_id for t in window])
         train = [t for i, t in enumerate(window) if i not in held]
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()

@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--holdout", type=float, default=0.25, help="newest share of the window held out for the gate")
     ap.add_argument("--holdout-mode", choices=("newest", "spread", "stable"), default="newest",
                     help="eagle: hold out the newest share of the window, the same share spread evenly over it, "
-                         "or (stable) every m-th request of the stream for life, m = 1 / --holdout")
+                         "or (stable) one request in m = 1 / --holdout for life, by the daemon's hash of its id")
     ap.add_argument("--steps", type=int, help="optimizer steps per round (default: model 14, eagle 16)")
     ap.add_argument("--batch-size", type=int, help="traces per step (default: model 4, eagle 8)")
     ap.add_argument("--lr", type=float, help="learning rate (default: model 1e-3, eagle 5e-4)")

@@ -163,15 +163,22 @@ def test_the_gate_holds_out_the_newest_traces_the_same_share_spread_or_every_mth
     for bad in ((8, 0, "newest"), (8, 8, "newest"), (8, 2, "oldest")):
         with pytest.raises(ValueError):
             held_out(*bad)
-    # stable: every m-th request of the stream by index, whatever its place in the window
-    assert held_out(8, 2, "stable", list(range(10, 18))) == {1, 5}  # requests 11 and 15
-    later = list(range(14, 22))  # the window moved by 4: request 15 is still held out, and 19
-    assert [later[i] for i in held_out(8, 2, "stable", later)] == [15, 19]
-    assert held_out(64, 13, "stable", list(range(300, 364))) == {i for i in range(64) if (300 + i) % 5 == 4}
+    # stable: the daemon's own rule (a hash of the request id), whatever the request's place in the window
+    from online.trainer.windows import held_for_life
+
+    ids = [f"req-{i}" for i in range(600)]
+    life = {r for r in ids if held_for_life(r, 5)}
+    window = ids[300:364]
+    held = held_out(64, 13, "stable", window)
+    assert {window[i] for i in held} == life & set(window) and 6 <= len(held) <= 20  # about one in five
+    later = ids[316:380]  # the window moved by 16: what was held out in both is still held out
+    assert {later[i] for i in held_out(64, 13, "stable", later)} & set(window) == life & set(window) & set(later)
+    assert 90 <= len(life) <= 150  # one in five of the stream, by the hash
     with pytest.raises(ValueError):
-        held_out(8, 2, "stable")  # the indices are needed
+        held_out(8, 2, "stable")  # the ids are needed
+    none_held = [r for r in ids if not held_for_life(r, 2)][:3]
     with pytest.raises(ValueError):
-        held_out(3, 1, "stable", [0, 1, 3])  # no request of this window is held out
+        held_out(3, 1, "stable", none_held)  # no request of this window is held out
 
 
 def test_a_round_trains_from_the_champion_or_from_the_last_candidate_and_frees_what_neither_needs():
