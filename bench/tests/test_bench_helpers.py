@@ -153,7 +153,7 @@ def test_the_gates_noise_is_the_standard_error_of_the_paired_per_request_differe
         paired_se(champion, champion[:2])
 
 
-def test_the_gate_holds_out_the_newest_traces_the_same_share_spread_or_every_mth_request_for_life():
+def test_the_gate_holds_out_the_newest_traces_the_same_share_spread_or_one_in_m_for_life_by_the_daemons_hash():
     from bench.adaptation_eagle import held_out
 
     assert held_out(32, 8) == set(range(24, 32))
