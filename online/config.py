@@ -232,8 +232,8 @@ class DaemonConfig:
 
     interval_s: float = 600.0  # a round at least this often while new traces arrive; 0 = off
     # a round as soon as this many traces arrived since the last; 0 = off. 16 (window_traces 64, holdout_traces 13,
-    # trainer.steps 16) recovers from a traffic shift in 68-116 requests (docs/benchmarks.md, "Online adaptation"),
-    # at a registered version per round
+    # trainer.steps 16) recovers from a traffic shift in 68-116 requests, and in 141 on a second traffic with one
+    # request in eight held out (docs/benchmarks.md, "Online adaptation"), at a registered version per round
     min_new_traces: int = 200
     check_interval_s: float = 5.0  # how often the new-traces trigger counts (one cheap query)
     window_traces: int = 1000  # newest traces a round reads (train + held out)
