@@ -424,16 +424,18 @@ class SpeculativeEngine:
     def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
         """Each request's k this step (runtime/adaptive.py), and in adaptive mode whether it takes its
         drafter's offer (`req.took_offer`). Seeded sampled requests, whose output must not depend on
-        timings or on the batch, never take the cost-aware rule."""
+        timings or on the batch, never take the cost-aware rule; a request of the target alone
+        (NoDrafter, or `speculate=False`) drafts nothing and costs the rule nothing."""
         remaining = [r.params.max_new_tokens - len(r.output) - 1 for r in reqs]
         for r in reqs:
             r.asked_offer, r.offered, r.took_offer = False, None, False
-        if not self.config.draft.adaptive:
-            return [r.length.fixed_k(n) for r, n in zip(reqs, remaining, strict=True)]
+        adaptive = self.config.draft.adaptive
         ks = [-1] * len(reqs)
         free = []
         for i, r in enumerate(reqs):
-            if r.params.seed is not None and r.params.temperature > 0:
+            if isinstance(r.drafter, NoDrafter):  # the target alone: nothing to weigh, nothing to probe
+                ks[i] = 0
+            elif not adaptive or (r.params.seed is not None and r.params.temperature > 0):
                 ks[i] = r.length.fixed_k(remaining[i])
             else:
                 free.append(i)

@@ -213,6 +213,41 @@ def test_engine_turns_drafting_off_and_back_on(stories):
     assert max(good) == 6 and sum(good[-5:]) >= 20  # noticed by a probe, drafting fully again
 
 
+def test_the_target_alone_costs_the_rule_nothing(stories, monkeypatch):
+    """A request without a drafter (NoDrafter, or `speculate=False` beside drafted requests) never
+    reaches the cost rule: it has nothing to weigh or probe, and the rule's arithmetic would be
+    its only cost (a few % of a millisecond step)."""
+    import runtime.engine as engine_mod
+    from runtime.drafters.none import NoDrafter
+
+    prompt = stories.tokenizer("Once upon a time").input_ids
+    expected = hf_greedy(stories.model, prompt, 24)
+    config = EngineConfig(draft=DraftLengthConfig(k=4, adaptive=True, probe_every=2))
+    weighed: list[int] = []
+    rule = engine_mod.choose_with_offers
+
+    def counting(controllers, *a, **kw):
+        weighed.append(len(controllers))
+        return rule(controllers, *a, **kw)
+
+    monkeypatch.setattr(engine_mod, "choose_with_offers", counting)
+    alone = SpeculativeEngine.for_model(stories, NoDrafter(), config)
+    res = alone.generate(prompt, SamplingParams(max_new_tokens=24))
+    assert res.output_ids == expected and weighed == []
+    assert all(not s.drafted for s in res.trace.steps)
+    good = Switching({tuple(prompt): expected}, stories.vocab_size)
+    good.good = True
+    drafted = SpeculativeEngine.for_model(stories, good, config)
+    ids = [drafted.add(prompt, SamplingParams(max_new_tokens=24), speculate=s) for s in (True, False)]
+    done = {}
+    while len(done) < 2:
+        done.update((r.request_id, r) for r in drafted.step())
+    assert [done[i].output_ids for i in ids] == [expected, expected]
+    assert weighed and max(weighed) == 1  # only the drafted request is weighed
+    assert any(s.drafted for s in done[ids[0]].trace.steps)
+    assert all(not s.drafted for s in done[ids[1]].trace.steps)
+
+
 def test_a_new_version_bets_on_nothing():
     costs, new = CostModel(), DraftLengthController(DraftLengthConfig(k=8, adaptive=True), AcceptanceCounts())
     assert choose_lengths([new], [50], ["e0"], costs) == [1]  # was [8]: full k before anything was measured
