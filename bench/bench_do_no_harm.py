@@ -6,9 +6,12 @@ model drafter directory, a drafter derived from the target's first N layers, or 
 EAGLE-3 head made in a temporary directory) it runs R repetitions; a repetition decodes every
 prompt (greedy, the same max_new_tokens) once on our engine with the target alone
 (NoDrafter) and once on our engine with the drafter under the adaptive rule
-(DraftLengthConfig(k=--k-max, adaptive=True), runtime/adaptive.py), the two requests of a
-prompt one after the other, in alternating order from prompt to prompt and from one repetition
-to the next (`interleaved`), so that the machine's drift hits both sides alike.
+(DraftLengthConfig(k=--k-max, adaptive=True), runtime/adaptive.py). The two requests of a prompt
+run at once, their engine steps alternating and each side timed over its own steps
+(`--interleave step`, `stepped`), so that the machine's drift hits both sides alike;
+`--interleave request` runs them one after the other instead. Which side goes first alternates
+from prompt to prompt and from one repetition to the next (`interleaved`). `--null` adds a case
+whose second side is the target alone again: the bench's own noise floor on this machine.
 Each engine serves one warm-up request before anything is timed.
 
 Per case it reports tokens/s of each side (per repetition: output tokens / wall seconds over all
@@ -47,7 +50,7 @@ from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.factory import load_feature_drafter, load_model_drafter
 from runtime.drafters.none import NoDrafter
-from runtime.engine import EngineConfig, SamplingParams, SpeculativeEngine
+from runtime.engine import EngineConfig, GenerationResult, SamplingParams, SpeculativeEngine
 from runtime.loader import LoadedModel, load_model
 from runtime.stats import RequestStats
 
@@ -106,6 +109,8 @@ def case_builders(args: argparse.Namespace, target: LoadedModel, tmp: Path) -> l
         cases.append((f"eagle {Path(d).name}", lambda p=d: load_feature_drafter(p, target)))
     for d in args.drafter:
         cases.append((f"model drafter {Path(d).name}", lambda p=d: load_model_drafter(p, target)))
+    if args.null:
+        cases.append(("target alone again (noise floor)", NoDrafter))
     return cases
 
 
@@ -125,6 +130,36 @@ def interleaved(rep: int, prompt: int) -> tuple[str, str]:
     order alternating from prompt to prompt and from repetition to repetition (ABBA), so that the
     machine's drift over seconds hits both sides alike instead of one side's whole block."""
     return ("target", "adaptive") if (rep + prompt) % 2 == 0 else ("adaptive", "target")
+
+
+def stepped(engines: dict[str, SpeculativeEngine], ids: list[int], n: int,
+            first: str) -> tuple[dict[str, list[int]], dict[str, float], dict[str, RequestStats]]:
+    """One request of `ids` on every engine at once, their steps alternating: each round steps
+    every engine that is still generating once, `first` first on even rounds and last on odd
+    ones (ABBA). Each side is timed over its own `add` and `step` calls only, so what the
+    machine does over a few milliseconds hits both sides alike, where timing whole requests one
+    after the other lets a slow second of the VM land on one side (the noise floor, `--null`:
+    0.93-1.15 per repetition of 8 x 256 stories260K tokens by request, 0.99-1.01 by step, on a
+    2-core Xeon). Returns each side's output, wall seconds and request stats."""
+    order = sorted(engines, key=lambda side: side != first)
+    secs = dict.fromkeys(engines, 0.0)
+    ids_of: dict[str, str] = {}
+    for side in order:
+        t = time.perf_counter()
+        ids_of[side] = engines[side].add(ids, SamplingParams(max_new_tokens=n))
+        secs[side] += time.perf_counter() - t
+    done: dict[str, GenerationResult] = {}
+    rnd = 0
+    while len(done) < len(engines):
+        for side in order if rnd % 2 == 0 else order[::-1]:
+            if side in done:
+                continue
+            t = time.perf_counter()
+            finished = engines[side].step()
+            secs[side] += time.perf_counter() - t
+            done.update((side, r) for r in finished if r.request_id == ids_of[side])
+        rnd += 1
+    return ({side: r.output_ids for side, r in done.items()}, secs, {side: r.stats for side, r in done.items()})
 
 
 def warm(engine: SpeculativeEngine, ids: list[int]) -> None:
@@ -147,6 +182,13 @@ def run_case(name: str, make: Callable[[], Drafter], target: LoadedModel, base: 
         outs: dict[str, list[list[int]]] = {"target": [], "adaptive": []}
         secs = {"target": 0.0, "adaptive": 0.0}
         for i, ids in enumerate(prompts):
+            if args.interleave == "step":
+                out, dt, st = stepped({"target": base, "adaptive": engine}, ids, n, interleaved(rep, i)[0])
+                for side in outs:
+                    outs[side].append(out[side])
+                    secs[side] += dt[side]
+                stats.append(st["adaptive"])
+                continue
             for side in interleaved(rep, i):
                 out, dt, st = timed(base if side == "target" else engine, [ids], n)
                 outs[side] += out
@@ -209,6 +251,11 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=8, help="adaptive upper bound (`livedraft generate`'s default)")
     ap.add_argument("--probe-every", type=int, default=DraftLengthConfig.probe_every)
     ap.add_argument("--cold", action="store_true", help="a new adaptive engine every repetition (cold start each time)")
+    ap.add_argument("--interleave", choices=("step", "request"), default="step",
+                    help="step: a prompt's two requests run at once, steps alternating, each side timed over its "
+                         "own steps; request: one request after the other")
+    ap.add_argument("--null", action="store_true",
+                    help="a case whose second side is the target alone again: the bench's noise floor")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--out", default="bench/results/do_no_harm.json")
@@ -229,7 +276,7 @@ def main() -> None:
     warm(base, prompts[0])
     meta = {"target": target.model_id, "prompts": args.prompts, "n_prompts": len(prompts), "chat": chat,
             "reps": args.reps, "max_new_tokens": args.max_new_tokens, "k_max": args.k_max,
-            "probe_every": args.probe_every, "cold": args.cold, "device": args.device,
+            "probe_every": args.probe_every, "cold": args.cold, "interleave": args.interleave, "device": args.device,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": cpu(), "cpus": os.cpu_count()}
     load0 = os.getloadavg()[0]  # other processes skew wall-clock ratios; recorded with the results
@@ -238,7 +285,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="do-no-harm-") as tmp:
         cases = case_builders(args, target, Path(tmp))
         if not cases:
-            raise SystemExit("no drafter case: give --eagle DIR, --drafter DIR, --derive N or --eagle-init")
+            raise SystemExit("no drafter case: give --eagle DIR, --drafter DIR, --derive N, --eagle-init or --null")
         print("\n" + HEADER, flush=True)
         for name, make in cases:
             r = run_case(name, make, target, base, prompts, args)
