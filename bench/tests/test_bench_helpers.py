@@ -4,6 +4,7 @@ adaptation benches' pools, cross-fitting, gate and recovery."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -280,6 +281,33 @@ def test_do_no_harm_puts_each_side_first_equally_often_per_repetition_and_per_pr
         assert firsts.count("target") == firsts.count("adaptive") == 3
     for i in range(6):
         assert [interleaved(rep, i)[0] for rep in range(2)] in (["target", "adaptive"], ["adaptive", "target"])
+
+
+def test_do_no_harm_steps_the_two_sides_in_turn_abba_and_times_each_over_its_own_steps(stories, monkeypatch):
+    from bench import bench_do_no_harm
+
+    prompt = stories.tokenizer(PROMPTS[0]).input_ids
+    engines = {side: SpeculativeEngine.for_model(stories, NoDrafter()) for side in ("target", "adaptive")}
+    alone = engines["target"].generate(prompt, SamplingParams(max_new_tokens=12))
+    expected = alone.output_ids
+    calls: list[str] = []
+    for side, engine in engines.items():
+        step = engine.step
+
+        def recording(side=side, step=step):
+            calls.append(side)
+            return step()
+
+        monkeypatch.setattr(engine, "step", recording)
+    clock = iter(range(1000))  # each perf_counter call one second later: a side's seconds count its own calls
+    monkeypatch.setattr(bench_do_no_harm, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    out, secs, stats = bench_do_no_harm.stepped(engines, prompt, 12, "adaptive")
+    assert out == {"target": expected, "adaptive": expected}
+    assert stats["target"].steps == stats["adaptive"].steps == alone.stats.steps
+    n = calls.count("target")
+    assert calls.count("adaptive") == n and calls[:4] == ["adaptive", "target", "target", "adaptive"]
+    assert all(sorted(calls[i : i + 2]) == ["adaptive", "target"] for i in range(0, len(calls), 2))
+    assert secs == {"target": n + 1.0, "adaptive": n + 1.0}  # each step and the side's `add`, one second each
 
 
 def test_the_scaling_bench_reads_answers_made_elsewhere_only_with_the_same_settings(tmp_path):
