@@ -140,7 +140,7 @@ def stepped(engines: dict[str, SpeculativeEngine], ids: list[int], n: int,
     machine does over a few milliseconds hits both sides alike, where timing whole requests one
     after the other lets a slow second of the VM land on one side (the noise floor, `--null`:
     0.93-1.15 per repetition of 8 x 256 stories260K tokens by request, 0.99-1.01 by step, on a
-    2-core Xeon). Returns each side's output, wall seconds and request stats."""
+    2-core Xeon VM held to AVX2 kernels). Returns each side's output, wall seconds and request stats."""
     order = sorted(engines, key=lambda side: side != first)
     secs = dict.fromkeys(engines, 0.0)
     ids_of: dict[str, str] = {}
