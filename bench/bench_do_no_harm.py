@@ -114,15 +114,19 @@ def case_builders(args: argparse.Namespace, target: LoadedModel, tmp: Path) -> l
     return cases
 
 
-def timed(engine: SpeculativeEngine, prompts: list[list[int]],
-          n: int) -> tuple[list[list[int]], float, list[RequestStats]]:
-    outs, stats = [], []
-    t = time.perf_counter()
-    for ids in prompts:
-        res = engine.generate(ids, SamplingParams(max_new_tokens=n))
-        outs.append(res.output_ids)
-        stats.append(res.stats)
-    return outs, time.perf_counter() - t, stats
+Sides = tuple[dict[str, list[int]], dict[str, float], dict[str, RequestStats]]  # output, seconds, stats per side
+
+
+def one_after_other(engines: dict[str, SpeculativeEngine], ids: list[int], n: int, first: str) -> Sides:
+    """`--interleave request`: one request of `ids` on each engine in turn, `first` first, each
+    side timed over its whole request."""
+    out, secs, stats = {}, {}, {}
+    for side in sorted(engines, key=lambda side: side != first):
+        t = time.perf_counter()
+        res = engines[side].generate(ids, SamplingParams(max_new_tokens=n))
+        secs[side] = time.perf_counter() - t
+        out[side], stats[side] = res.output_ids, res.stats
+    return out, secs, stats
 
 
 def interleaved(rep: int, prompt: int) -> tuple[str, str]:
@@ -132,8 +136,7 @@ def interleaved(rep: int, prompt: int) -> tuple[str, str]:
     return ("target", "adaptive") if (rep + prompt) % 2 == 0 else ("adaptive", "target")
 
 
-def stepped(engines: dict[str, SpeculativeEngine], ids: list[int], n: int,
-            first: str) -> tuple[dict[str, list[int]], dict[str, float], dict[str, RequestStats]]:
+def stepped(engines: dict[str, SpeculativeEngine], ids: list[int], n: int, first: str) -> Sides:
     """One request of `ids` on every engine at once, their steps alternating: each round steps
     every engine that is still generating once, `first` first on even rounds and last on odd
     ones (ABBA). Each side is timed over its own `add` and `step` calls only, so what the
@@ -173,6 +176,7 @@ def run_case(name: str, make: Callable[[], Drafter], target: LoadedModel, base: 
     engine = SpeculativeEngine.for_model(target, drafter, config)
     warm(engine, prompts[0])  # --cold: this engine only warms the kernels; each repetition gets a new one
     n = args.max_new_tokens
+    measure = stepped if args.interleave == "step" else one_after_other
     tps: dict[str, list[float]] = {"target": [], "adaptive": []}
     stats: list[RequestStats] = []
     lossless = True
@@ -182,19 +186,11 @@ def run_case(name: str, make: Callable[[], Drafter], target: LoadedModel, base: 
         outs: dict[str, list[list[int]]] = {"target": [], "adaptive": []}
         secs = {"target": 0.0, "adaptive": 0.0}
         for i, ids in enumerate(prompts):
-            if args.interleave == "step":
-                out, dt, st = stepped({"target": base, "adaptive": engine}, ids, n, interleaved(rep, i)[0])
-                for side in outs:
-                    outs[side].append(out[side])
-                    secs[side] += dt[side]
-                stats.append(st["adaptive"])
-                continue
-            for side in interleaved(rep, i):
-                out, dt, st = timed(base if side == "target" else engine, [ids], n)
-                outs[side] += out
-                secs[side] += dt
-                if side == "adaptive":
-                    stats += st
+            out, dt, st = measure({"target": base, "adaptive": engine}, ids, n, interleaved(rep, i)[0])
+            for side in outs:
+                outs[side].append(out[side])
+                secs[side] += dt[side]
+            stats.append(st["adaptive"])
         for side in tps:
             tps[side].append(sum(len(o) for o in outs[side]) / secs[side])
         lossless &= outs["target"] == outs["adaptive"]
