@@ -8,10 +8,12 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from online.config import LINEAGES, MIXED_PRECISION, TrainerConfig
@@ -20,7 +22,7 @@ from online.trainer.windows import NotEnoughData
 from runtime.errors import LivedraftError
 from runtime.loader import DRAFTER_META
 
-__all__ = ["DistillResult", "NotEnoughData", "TrainingError", "check_config", "save_drafter"]
+__all__ = ["DistillResult", "NotEnoughData", "TrainingError", "adamw", "check_config", "save_drafter"]
 
 
 class TrainingError(LivedraftError, ValueError):
@@ -72,6 +74,23 @@ def check_config(cfg: TrainerConfig) -> None:
         raise TrainingError(f"[trainer] lineage {cfg.lineage!r} is unknown: choose one of {list(LINEAGES)}")
     if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):
         raise TrainingError("[trainer] lora needs lora_r >= 1 and a non-empty lora_target_modules")
+
+
+FUSED_DEVICES = ("cpu", "cuda")  # where torch's fused AdamW runs (the CPU kernel since torch 2.4)
+FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def adamw(params: Iterable[torch.nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
+    """Every trainer's optimizer: AdamW at cfg.lr and cfg.weight_decay, fused (one kernel over all
+    parameters a step, the same update) where every parameter is on a device and of a dtype torch's
+    fused kernel takes; otherwise torch's default implementation. On a 2-core CPU a step over an
+    EAGLE-3 head's 10M parameters costs 5 ms fused against 23 ms (bench/eagle_step.py's setting),
+    ~5 % of a trainer step. The state dict is the same either way, so a carried lineage's optimizer
+    state loads into both."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type in FUSED_DEVICES and p.dtype in FUSED_DTYPES for p in params) \
+        and len({p.device for p in params}) == 1
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def save_drafter(

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from online.config import TrainerConfig
-from online.trainer.common import DistillResult, NotEnoughData, check_config, save_drafter
+from online.trainer.common import DistillResult, NotEnoughData, adamw, check_config, save_drafter
 from online.trainer.losses import soft_label_loss, token_cross_entropy
 from runtime.drafters.crossvocab import Codec, aligned_segments
 from runtime.loader import load_model, read_drafter_meta, resolve_device
@@ -129,7 +129,7 @@ def distill_crossvocab(
         raise NotEnoughData(f"none of the {len(traces)} traces has output text the drafter can learn from")
     model = loaded.model
     model.requires_grad_(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw(model.parameters(), cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses, kds, ces = [], [], []
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ import torch
 from transformers import PreTrainedModel
 
 from online.config import TrainerConfig
-from online.trainer.common import DistillResult, NotEnoughData, TrainingError, check_config, save_drafter
+from online.trainer.common import DistillResult, NotEnoughData, TrainingError, adamw, check_config, save_drafter
 from online.trainer.losses import soft_label_loss, token_cross_entropy
 from runtime.loader import MODEL_LOAD_LOCK, load_model, read_drafter_meta, resolve_device
 from runtime.trace import RequestTrace
@@ -150,7 +150,7 @@ def _train(
     model: PreTrainedModel, examples: list[_Example], cfg: TrainerConfig, *, pad_id: int
 ) -> tuple[list[float], list[float], list[float], float]:
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw(params, cfg)
     batches = _batch_order(len(examples), cfg.batch_size, cfg.seed)
     device = params[0].device
     model.train()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from online.config import TrainerConfig
-from online.trainer.common import DistillResult, NotEnoughData, TrainingError, check_config
+from online.trainer.common import DistillResult, NotEnoughData, TrainingError, adamw, check_config
 from online.trainer.features import FeatureExtractor, TargetPass
 from runtime.drafters.eagle import EagleConfig, EagleHead
 from runtime.llama import Rotary, Shape, rotate
@@ -455,7 +455,7 @@ def train_head(head: EagleHead, examples: list[EagleExample], embed: torch.Tenso
     returned in TrainStats.lineage."""
     loss_fn = TTTLoss(head, embed, target_head, cfg)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw(params, cfg)
     before = 0
     if carry and resume is not None:
         opt.load_state_dict(resume.optimizer)
