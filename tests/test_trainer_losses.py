@@ -117,30 +117,28 @@ def test_the_trainers_optimizer_is_fused_where_torch_can_and_makes_the_default_a
     start = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
     grads = [[torch.randn(s.shape, generator=gen) for s in start] for _ in range(3)]
 
-    def train(make, steps=grads, params=None):
-        params = params or [torch.nn.Parameter(s.clone()) for s in start]
+    def train(make, params, steps, state=None):
         opt = make(params)
+        if state is not None:
+            opt.load_state_dict(state)
         for gs in steps:
             for p, g in zip(params, gs, strict=True):
                 p.grad = g.clone()
             opt.step()
-        return params, opt
+        return opt
 
-    fused, opt_f = train(lambda ps: adamw(ps, cfg))
-    plain, opt_p = train(lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay))
+    fused, plain = ([torch.nn.Parameter(s.clone()) for s in start] for _ in range(2))
+    opt_f = train(lambda ps: adamw(ps, cfg), fused, grads)
+    opt_p = train(lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay), plain, grads)
     assert opt_f.defaults["fused"] is True and not opt_p.defaults.get("fused")
     for f, p, s in zip(fused, plain, start, strict=True):
         assert not torch.equal(f.detach(), s)  # it moved
         torch.testing.assert_close(f.detach(), p.detach(), rtol=1e-6, atol=1e-7)
     # a default AdamW's state resumes in the fused one, and the other way round
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in plain]
-    opt_r = adamw(resumed, cfg)
-    opt_r.load_state_dict(opt_p.state_dict())
-    for p, g in zip(resumed, grads[0], strict=True):
-        p.grad = g.clone()
-    opt_r.step()
-    back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in fused], lr=cfg.lr)
-    back.load_state_dict(opt_f.state_dict())
+    opt_r = train(lambda ps: adamw(ps, cfg), resumed, grads[:1], state=opt_p.state_dict())
     assert float(opt_r.state[resumed[0]]["step"]) == 4.0
+    train(lambda ps: torch.optim.AdamW(ps, lr=cfg.lr), [torch.nn.Parameter(p.detach().clone()) for p in fused],
+          grads[:1], state=opt_f.state_dict())
     # parameters on a device torch's fused kernel is not known to take get its default implementation
     assert adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], cfg).defaults["fused"] is None

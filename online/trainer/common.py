@@ -88,7 +88,7 @@ def adamw(params: Iterable[torch.nn.Parameter], cfg: TrainerConfig) -> torch.opt
     step (bench/eagle_step.py's setting). The state dict is the same either way, so a carried
     lineage's optimizer state loads into both."""
     params = list(params)
-    fused = bool(params) and all(p.device.type in FUSED_DEVICES and p.dtype in FUSED_DTYPES for p in params) \
+    fused = all(p.device.type in FUSED_DEVICES and p.dtype in FUSED_DTYPES for p in params) \
         and len({p.device for p in params}) == 1
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
