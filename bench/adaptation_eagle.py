@@ -4,6 +4,7 @@ target's features from one teacher-forced pass per request (computed once for th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shutil
@@ -18,7 +19,7 @@ from bench.traffic import Request, chat_ids, prompt_pool, segments, served_tail
 from online.config import LINEAGES, TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
-from online.trainer.round import ReplayMetrics, decide, target_passes, trains_on
+from online.trainer.round import ReplayMetrics, catch_up, decide, target_passes, trains_on
 from online.trainer.warmstart import answer_prompts, warm_start
 from online.trainer.windows import held_for_life
 from runtime.adaptive import DraftLengthConfig
@@ -163,9 +164,11 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     frozen = per_request(replay(init_dir, logged, "initial").traces)
     cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
                         promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2,
-                        vocab_refresh=args.vocab_refresh, carry_optimizer=args.carry_optimizer)
+                        vocab_refresh=args.vocab_refresh, carry_optimizer=args.carry_optimizer,
+                        catch_up_steps=args.catch_up_steps, catch_up_ratio=args.catch_up_ratio)
     champion_dir, version = init_dir, "initial"
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
+    promoted = False  # the last round's verdict (a catch-up round follows a promotion)
     served: list[RequestTrace] = []
     run = EagleRun(frozen, [], [], 0.0, 0, init_dir, logged, passes)
     # the first request a segment's served version is timed on -> its domain
@@ -188,7 +191,10 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()
         cand_version = f"round{len(run.rounds) + 1}"
-        res = distill_eagle(parent_dir, train, work / cand_version, cfg, target, passes=passes, version=cand_version)
+        why = catch_up(train, promoted, cfg)
+        round_cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps) if why else cfg
+        res = distill_eagle(parent_dir, train, work / cand_version, round_cfg, target, passes=passes,
+                            version=cand_version)
         run.total_steps += res.steps
         c_report, h_report = replay(work / cand_version, hold, cand_version), replay(champion_dir, hold, version)
         c, h = ReplayMetrics.from_report(c_report), ReplayMetrics.from_report(h_report)
@@ -199,7 +205,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
                            "candidate_mal": round(c.mean_acceptance_length, 3),
                            "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
                            "gain_se": round(paired_se(c_report.traces, h_report.traces), 4),
-                           "holdout": len(hold), "steps": res.steps, "seconds": round(seconds, 1)})
+                           "holdout": len(hold), "steps": res.steps, "catch_up": why,
+                           "seconds": round(seconds, 1)})
         log.info("round %d after %d requests: %s (%.0fs)", len(run.rounds), r0 + len(block), reason, seconds)
         if promoted:
             version = cand_version

@@ -175,6 +175,11 @@ def main() -> None:
                          "(warm-up once, then constant: the daemon's trainer.carry_optimizer, on by default); "
                          "--no-carry-optimizer: a fresh optimizer with its own warm-up and decay each round")
     ap.add_argument("--margin", type=float, default=0.05, help="promotion margin on mean acceptance length")
+    ap.add_argument("--catch-up-steps", type=int, default=TrainerConfig.catch_up_steps,
+                    help="eagle: steps of a catch-up round (the daemon's trainer.catch_up_steps; 0: none)")
+    ap.add_argument("--catch-up-ratio", type=float, default=TrainerConfig.catch_up_ratio,
+                    help="eagle: the served acceptance ratio, newest quarter of the window to the rest, "
+                         "below which a round catches up (trainer.catch_up_ratio)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     ap.add_argument("--kind", choices=("eagle", "model"), default="eagle")

@@ -107,6 +107,11 @@ class TrainerConfig:
     # of the registry) and learning rate: warm-up over the lineage's first warmup_steps, then a constant lr, one
     # continuous run gated every round; false: each round a fresh optimizer with its own warm-up and cosine decay
     carry_optimizer: bool = True
+    # catch-up rounds: a round trains catch_up_steps instead of steps (0 = never) when the drafter is behind its
+    # traffic: the last round's candidate was promoted, or the newest quarter of the window was served at under
+    # catch_up_ratio of the acceptance rate of the window's older traces (a shift; online.trainer.round.catch_up)
+    catch_up_steps: int = 0
+    catch_up_ratio: float = 0.6  # the served acceptance ratio, newest quarter to the rest, that means a shift
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     # eagle: memory for the target's passes over the last round's newest traces, which the next round's window
     # reads again instead of running the target over them (~0.9 MB per 100-token SmolLM2 trace); 0 = off

@@ -14,11 +14,12 @@ import pytest
 
 from online.config import Config, ConfigError, DaemonConfig, TrainerConfig
 from online.registry import LocalDrafter, LoggedRound
-from online.trainer.common import NotEnoughData
-from online.trainer.round import TraceWindow
+from online.trainer.common import NotEnoughData, TrainingError, check_config
+from online.trainer.round import TraceWindow, catch_up
 from online.trainer.scheduler import LINEAGE_DIR, TrainerService
 from runtime.errors import ModelLoadError
 from runtime.loader import OPTIMIZER_STATE
+from runtime.trace import RequestTrace, StepRecord
 
 
 class FakeStore:
@@ -325,3 +326,47 @@ def test_round_directories_a_killed_trainer_left_are_removed_at_start(tmp_path):
         assert not left.exists() and kept.is_dir()
     finally:
         assert svc.stop(timeout_s=5)
+
+
+def served(request_id: str, accepted: int, drafted: int = 4) -> RequestTrace:
+    """A trace whose one verify step drafted `drafted` tokens and kept `accepted` of them."""
+    return RequestTrace(request_id, [1, 2], [3, 4, 5, 6, 7], [StepRecord(0, [3] * drafted, "eagle", accepted)],
+                        "target", "v1")
+
+
+def test_a_round_catches_up_after_a_promotion_or_a_shift_in_what_serving_accepted():
+    cfg = TrainerConfig(steps=16, catch_up_steps=64, catch_up_ratio=0.6)
+    steady = [served(f"r{i}", 2) for i in range(12)]  # acceptance 0.5 throughout
+    shifted = steady[:9] + [served(f"s{i}", 1) for i in range(3)]  # the newest quarter at 0.25 < 0.6 * 0.5
+    assert catch_up(steady, False, cfg) is None
+    assert "promoted" in catch_up(steady, True, cfg)
+    why = catch_up(shifted, False, cfg)
+    assert why is not None and "newest 3 traces" in why and "0.250" in why and "0.500" in why
+    assert catch_up(steady[:9] + [served(f"s{i}", 2, 5) for i in range(3)], False, cfg) is None  # 0.4 >= 0.3
+    # nothing drafted (a drafter switched off, a llama-server trace without steps), or the feature off: no catch-up
+    assert catch_up(steady[:9] + [served(f"s{i}", 0, 0) for i in range(3)], False, cfg) is None
+    assert catch_up([served(f"s{i}", 0, 0) for i in range(9)] + shifted[-3:], False, cfg) is None
+    for off in (TrainerConfig(steps=16), TrainerConfig(steps=16, catch_up_steps=16)):
+        assert catch_up(shifted, True, off) is None
+    with pytest.raises(TrainingError, match="catch_up_ratio"):
+        check_config(TrainerConfig(catch_up_ratio=0.0))
+
+
+def test_the_trainer_trains_a_catch_up_round_after_a_promotion_and_logs_why(tmp_path, caplog):
+    steps, verdicts = [], iter([True, False, False, True])
+
+    class Store(FakeStore):
+        def training_window(self, limit, holdout, tag=None, mode="newest"):
+            return TraceWindow([served(f"r{i}", 2) for i in range(8)], [served("h", 2)], start=1, end=self.n)
+
+    def round_fn(window, champion_dir, work, cfg, **kw):
+        steps.append(cfg.steps)
+        return fake_result(next(verdicts))
+
+    cfg = Config(data_dir=str(tmp_path), trainer=TrainerConfig(steps=16, catch_up_steps=48))
+    svc = TrainerService(cfg, Store(50), FakeRegistry(tmp_path), round_fn=round_fn)
+    with caplog.at_level("INFO", logger="online.trainer.scheduler"):
+        for _ in range(4):
+            assert svc.run_round_once().ok
+    assert steps == [16, 48, 16, 16]  # only the round after the promotion catches up
+    assert "a catch-up round of 48 steps (instead of 16): the last round's candidate was promoted" in caplog.text

@@ -70,6 +70,9 @@ def check_config(cfg: TrainerConfig) -> None:
     if cfg.mixed_precision not in MIXED_PRECISION:
         raise TrainingError(f"[trainer] mixed_precision {cfg.mixed_precision!r} is unknown: choose one of "
                             f"{list(MIXED_PRECISION)}")
+    if cfg.catch_up_steps < 0 or not 0.0 < cfg.catch_up_ratio <= 1.0:
+        raise TrainingError(f"[trainer] catch_up_steps must be >= 0 and catch_up_ratio in (0, 1], got "
+                            f"{cfg.catch_up_steps} and {cfg.catch_up_ratio}")
     if cfg.lineage not in LINEAGES:
         raise TrainingError(f"[trainer] lineage {cfg.lineage!r} is unknown: choose one of {list(LINEAGES)}")
     if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):

@@ -212,6 +212,29 @@ def score_drafter(
                                                    features=lambda t: passes[t.request_id].features))
 
 
+def served_acceptance(traces: Sequence[RequestTrace]) -> float | None:
+    """Accepted over drafted tokens, pooled over what serving logged for `traces` (None: nothing drafted)."""
+    drafted = sum(len(s.drafted) for t in traces for s in t.steps)
+    return sum(s.accepted for t in traces for s in t.steps) / drafted if drafted else None
+
+
+def catch_up(train: Sequence[RequestTrace], last_promoted: bool, cfg: TrainerConfig) -> str | None:
+    """Why this round should train `cfg.catch_up_steps` steps instead of `cfg.steps` (None: it should
+    not): the drafter is behind its traffic when the last round's candidate won the gate (training is
+    paying), or when the newest quarter of the round's training traces (oldest first) was served at
+    under `cfg.catch_up_ratio` of the acceptance rate of the older ones (the traffic shifted)."""
+    if cfg.catch_up_steps <= cfg.steps:
+        return None
+    if last_promoted:
+        return "the last round's candidate was promoted"
+    n = max(1, len(train) // 4)
+    new, old = served_acceptance(train[-n:]), served_acceptance(train[:-n])
+    if new is not None and old and new < cfg.catch_up_ratio * old:
+        return (f"a shift: the newest {n} traces were served at acceptance rate {new:.3f}, the {len(train) - n} "
+                f"before them at {old:.3f}")
+    return None
+
+
 def trains_on(candidate: ReplayMetrics, champion: ReplayMetrics, margin: float) -> bool:
     """Lineage "trainee": whether the next round trains from this candidate -- unless it fell below
     the champion's held-out mean acceptance length by more than `margin` (then from the champion)."""

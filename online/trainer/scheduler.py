@@ -31,7 +31,7 @@ from online.config import Config, ConfigError
 from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
 from online.trainer.features import PassCache
-from online.trainer.round import RoundResult, TraceWindow, run_round, training_device, trains_on
+from online.trainer.round import RoundResult, TraceWindow, catch_up, run_round, training_device, trains_on
 from online.trainer.windows import HOLDOUTS
 from runtime.errors import LivedraftError
 from runtime.loader import OPTIMIZER_STATE, LoadedModel
@@ -120,6 +120,7 @@ class TrainerService:
         self._closed = False  # set by stop(): no new rounds
         self._last_id = 0  # newest trace id the last completed round (or skip) saw
         self._retry_at = 0.0  # monotonic; the new-traces trigger waits until then after a failure
+        self._last_promoted = False  # the last completed round's verdict: a catch-up round follows a promotion
         self._scheduler = None
 
     # -- one round -------------------------------------------------------------------------------
@@ -154,8 +155,14 @@ class TrainerService:
             if self._stopping.is_set():
                 return done("stopped", "shutting down before training")
             work = self.work_dir / f"round-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            cfg = self.cfg.trainer
+            why = catch_up(window.train, self._last_promoted, cfg)
+            if why:
+                log.info("trainer: a catch-up round of %d steps (instead of %d): %s", cfg.catch_up_steps, cfg.steps,
+                         why)
+                cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps)
             try:
-                result = self.round_fn(window, champion.path, work, self.cfg.trainer,
+                result = self.round_fn(window, champion.path, work, cfg,
                                        champion_version=str(champion.version), target=self.target,
                                        parent_dir=parent.path, parent_version=str(parent.version),
                                        device=self.device, pass_cache=self.passes)
@@ -181,6 +188,7 @@ class TrainerService:
                 log.exception("trainer round (%s) failed; retrying on a later trigger", trigger)
             return done("failed", f"{type(e).__name__}: {e}")
         self._last_id = window.end if window.end is not None else newest
+        self._last_promoted = logged.promoted
         return done("promoted" if logged.promoted else "not_promoted", result.reason, version=logged.version,
                     champion_version=logged.version if logged.promoted else champion.version,
                     candidate_mean_acceptance_length=result.candidate.mean_acceptance_length,
