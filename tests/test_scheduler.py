@@ -19,7 +19,7 @@ from online.trainer.round import TraceWindow, catch_up
 from online.trainer.scheduler import LINEAGE_DIR, TrainerService
 from runtime.errors import ModelLoadError
 from runtime.loader import OPTIMIZER_STATE
-from runtime.trace import RequestTrace, StepRecord
+from runtime.trace import DraftCounts, RequestTrace, StepRecord
 
 
 class FakeStore:
@@ -343,7 +343,10 @@ def test_a_round_catches_up_after_a_promotion_or_a_shift_in_what_serving_accepte
     why = catch_up(shifted, False, cfg)
     assert why is not None and "newest 3 traces" in why and "0.250" in why and "0.500" in why
     assert catch_up(steady[:9] + [served(f"s{i}", 2, 5) for i in range(3)], False, cfg) is None  # 0.4 >= 0.3
-    # nothing drafted (a drafter switched off, a llama-server trace without steps), or the feature off: no catch-up
+    # an engine's totals without per-step records (llama-server's) count as its steps would
+    totals = [dataclasses.replace(t, steps=[], counts=DraftCounts(1, 4, 1)) for t in shifted[-3:]]
+    assert catch_up(steady[:9] + totals, False, cfg) == why
+    # nothing drafted (a drafter switched off), or the feature off: no catch-up
     assert catch_up(steady[:9] + [served(f"s{i}", 0, 0) for i in range(3)], False, cfg) is None
     assert catch_up([served(f"s{i}", 0, 0) for i in range(9)] + shifted[-3:], False, cfg) is None
     for off in (TrainerConfig(steps=16), TrainerConfig(steps=16, catch_up_steps=16)):

@@ -213,9 +213,11 @@ def score_drafter(
 
 
 def served_acceptance(traces: Sequence[RequestTrace]) -> float | None:
-    """Accepted over drafted tokens, pooled over what serving logged for `traces` (None: nothing drafted)."""
-    drafted = sum(len(s.drafted) for t in traces for s in t.steps)
-    return sum(s.accepted for t in traces for s in t.steps) / drafted if drafted else None
+    """Accepted over drafted tokens, pooled over what serving logged for `traces` (RequestTrace.totals:
+    the steps, or an engine's totals such as llama-server's; None: nothing drafted)."""
+    totals = [t.totals for t in traces]
+    drafted = sum(c.drafted for c in totals)
+    return sum(c.accepted for c in totals) / drafted if drafted else None
 
 
 def catch_up(train: Sequence[RequestTrace], last_promoted: bool, cfg: TrainerConfig) -> str | None:
