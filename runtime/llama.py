@@ -23,6 +23,9 @@ same arithmetic straight off the model's weights:
   one of four counts per power of two (`packed_rows`, under 25 % extra rows):
   a drafter catching up on the tokens it skipped, a prompt chunk and a trace's
   teacher-forced pass each fed a new count, and paid that build on every call;
+- on x86-64 CPUs where torch's kernels are AVX2, a native kernel for 1-8 rows as a third candidate
+  (runtime/native.py): it costs about what reading the weight costs, so there
+  a verify step of 2-3 tokens costs ~1.1 one-token steps instead of ~1.3;
 - optionally the residual stream at the input of chosen layers (the fused
   low/middle/high features an EAGLE-3 drafter reads), at no extra compute.
 
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from runtime import native
 
 # oneDNN's prepacked linear is tuned for this many rows; it runs any row count.
 _PACK_ROWS_HINT = 8
@@ -72,23 +77,43 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 # Row counts (of the input's flattened rows) at which the kernel choice is measured; beyond
 # the last, the prepacked kernel is used.
 _CALIBRATED_ROWS = (1, 2, 3, 4, 6, 8)
+assert _CALIBRATED_ROWS[-1] <= native.MAX_ROWS
+
+MKL, ONEDNN, NATIVE = "mkl", "onednn", "native"
+
+
+# The calibration reads its weights from memory, not from cache, as a model's forward does (each
+# layer's weights are evicted by the others'): it cycles through copies of at least this many bytes.
+_CALIBRATION_BYTES = 64 << 20
 
 
 @functools.cache
-def packed_wins(in_features: int, out_features: int, threads: int) -> tuple[bool, ...]:
-    """For each of _CALIBRATED_ROWS: whether oneDNN's prepacked kernel beats `F.linear` (MKL) on
-    this CPU for an [out, in] float32 weight, measured once per shape and thread count (best of 5).
-    Which wins depends on the CPU: on AVX2 parts MKL repacks the weight on every call and the
-    prepacked kernel wins from one row on; on AVX-512/AMX parts MKL wins at a single row."""
-    w = torch.randn(out_features, in_features) * 0.02
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+def kernel_choice(in_features: int, out_features: int, threads: int, *, packed: bool = True,
+                  native_kernel: bool = False) -> tuple[str, ...]:
+    """For each of _CALIBRATED_ROWS: the fastest kernel on this CPU for an [out, in] float32
+    weight, measured once per shape, thread count and candidate set (best of 5, each call on a
+    weight not in cache): MKL's `F.linear`, oneDNN's prepacked linear (`packed`) and the native
+    kernel (`native_kernel`, runtime/native.py). Which wins depends on the CPU: on AVX2 parts MKL
+    repacks the weight on every call and loses from one row on, to the native kernel where it
+    runs; on AVX-512/AMX parts MKL wins at a single row."""
+    copies = max(1, min(16, -(-_CALIBRATION_BYTES // (4 * in_features * out_features))))
+    ws = [torch.randn(out_features, in_features) * 0.02 for _ in range(copies)]
+    candidates: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {MKL: lambda x, i: F.linear(x, ws[i])}
+    if packed:
+        ps = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT) for w in ws]
+        candidates[ONEDNN] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, ps[i], None, "none", [], "")
+    fast = native.kernel() if native_kernel else None
+    if fast is not None:
+        candidates[NATIVE] = lambda x, i: fast(x, ws[i], None)
+    calls = iter(range(1 << 62))
 
-    def best(fn: Callable[[], torch.Tensor]) -> float:
-        fn()
+    def best(fn: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor) -> float:
+        fn(x, next(calls) % copies)
         times = []
         for _ in range(5):
+            i = next(calls) % copies
             t0 = time.perf_counter()
-            fn()
+            fn(x, i)
             times.append(time.perf_counter() - t0)
         return min(times)
 
@@ -96,9 +121,8 @@ def packed_wins(in_features: int, out_features: int, threads: int) -> tuple[bool
     with torch.inference_mode():
         for rows in _CALIBRATED_ROWS:
             x = torch.randn(rows, in_features)
-            mkl = best(lambda x=x: F.linear(x, w))
-            onednn = best(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-            out.append(onednn <= mkl)
+            times = {name: best(fn, x) for name, fn in candidates.items()}
+            out.append(min(times, key=times.__getitem__))
     return tuple(out)
 
 
@@ -111,18 +135,28 @@ def packed_rows(rows: int) -> int:
 
 
 class Linear:
-    """y = x W^T + b, with W also prepacked for oneDNN where that can be faster (CPU, float32):
-    each call takes the kernel measured fastest for its row count (`packed_wins`)."""
+    """y = x W^T + b, with W also prepacked for oneDNN where that can be faster (CPU, float32) and
+    the native kernel as a third candidate where it runs: each call up to _CALIBRATED_ROWS rows
+    takes the kernel measured fastest for its row count (`kernel_choice`); beyond, the prepacked
+    one (or MKL without packing)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool | None = None,
+                 native_kernel: bool | None = None) -> None:
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
         if pack is None:
             pack = packing_available(weight.device, weight.dtype)
+        if native_kernel is None:
+            native_kernel = native.default_on()
+        native_kernel = native_kernel and native.usable(self.weight, self.bias)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_ROWS_HINT) if pack else None
-        self._wins = packed_wins(self.weight.shape[1], self.weight.shape[0], torch.get_num_threads()) if pack else ()
+        self._native = native.kernel() if native_kernel else None
+        self._choice: tuple[str, ...] = ()
+        if self._packed is not None or self._native is not None:
+            self._choice = kernel_choice(self.weight.shape[1], self.weight.shape[0], torch.get_num_threads(),
+                                         packed=self._packed is not None, native_kernel=self._native is not None)
 
     @classmethod
-    def of(cls, *linears: torch.nn.Linear, pack: bool | None = None) -> Linear:
+    def of(cls, *linears: torch.nn.Linear, pack: bool | None = None, native_kernel: bool | None = None) -> Linear:
         """One projection computing several nn.Linear at once (outputs concatenated)."""
         w = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
         biases = [m.bias for m in linears]
@@ -130,7 +164,7 @@ class Linear:
             b = None
         else:
             b = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-        return cls(w, b, pack=pack)
+        return cls(w.contiguous(), b, pack=pack, native_kernel=native_kernel)
 
     @property
     def out_features(self) -> int:
@@ -138,7 +172,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self._packed is None or not self._use_packed(rows):
+        kernel = self.kernel_for(rows)
+        if kernel == NATIVE and not (x.requires_grad and torch.is_grad_enabled()) and x.dtype == torch.float32:
+            return self._native(x, self.weight, self.bias)
+        if kernel != ONEDNN:
             return F.linear(x, self.weight, self.bias)
         if rows <= _CALIBRATED_ROWS[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -147,11 +184,12 @@ class Linear:
         y = torch.ops.mkldnn._linear_pointwise(padded, self._packed, self.bias, "none", [], "")
         return y[:rows].view(*x.shape[:-1], y.shape[-1])
 
-    def _use_packed(self, rows: int) -> bool:
-        for n, wins in zip(_CALIBRATED_ROWS, self._wins, strict=True):
+    def kernel_for(self, rows: int) -> str:
+        """The kernel a call of `rows` rows takes: MKL, ONEDNN or NATIVE."""
+        for n, choice in zip(_CALIBRATED_ROWS, self._choice, strict=False):
             if rows <= n:
-                return wins
-        return True
+                return choice
+        return ONEDNN if self._packed is not None else MKL
 
 
 class KVCache:
@@ -316,11 +354,11 @@ class Layer:
     down: Linear
 
     @classmethod
-    def of(cls, layer: torch.nn.Module, pack: bool | None = None) -> Layer:
-        a, m = layer.self_attn, layer.mlp
-        return cls(Norm.of(layer.input_layernorm), Linear.of(a.q_proj, a.k_proj, a.v_proj, pack=pack),
-                   Linear.of(a.o_proj, pack=pack), Norm.of(layer.post_attention_layernorm),
-                   Linear.of(m.gate_proj, m.up_proj, pack=pack), Linear.of(m.down_proj, pack=pack))
+    def of(cls, layer: torch.nn.Module, pack: bool | None = None, native_kernel: bool | None = None) -> Layer:
+        a, m, kw = layer.self_attn, layer.mlp, {"pack": pack, "native_kernel": native_kernel}
+        return cls(Norm.of(layer.input_layernorm), Linear.of(a.q_proj, a.k_proj, a.v_proj, **kw),
+                   Linear.of(a.o_proj, **kw), Norm.of(layer.post_attention_layernorm),
+                   Linear.of(m.gate_proj, m.up_proj, **kw), Linear.of(m.down_proj, **kw))
 
 
 @dataclass
@@ -415,10 +453,13 @@ class LlamaRunner:
     `aux_layers`: layer indices whose input (the residual stream) `forward(features=True)`
     returns, concatenated in that order. Raises ValueError for a model `unsupported_reason`
     rejects. The weights are read once, here (fused, and prepacked on CPU): a model changed
-    afterwards needs a new runner.
+    afterwards needs a new runner. `pack` / `native_kernel`: whether oneDNN's prepacked kernel
+    and the native kernel are candidates (None: wherever they run, the native kernel where torch's
+    kernels are AVX2, `native.default_on`; False keeps them out).
     """
 
-    def __init__(self, model: PreTrainedModel, *, aux_layers: Sequence[int] = (), pack: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, *, aux_layers: Sequence[int] = (), pack: bool | None = None,
+                 native_kernel: bool | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"LlamaRunner cannot run this model: {reason}")
@@ -426,9 +467,9 @@ class LlamaRunner:
         self.shape = Shape.of(cfg)
         self.embed = inner.embed_tokens.weight.detach()
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.layers = [Layer.of(layer, pack) for layer in inner.layers]
+        self.layers = [Layer.of(layer, pack, native_kernel) for layer in inner.layers]
         self.norm = Norm.of(inner.norm)
-        self.head = Linear.of(model.get_output_embeddings(), pack=pack)
+        self.head = Linear.of(model.get_output_embeddings(), pack=pack, native_kernel=native_kernel)
         self.hidden_size = int(cfg.hidden_size)
         self.aux_layers = tuple(int(i) for i in aux_layers)
         bad = [i for i in self.aux_layers if not 0 <= i < len(self.layers)]

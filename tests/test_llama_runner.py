@@ -160,19 +160,31 @@ def test_long_sequence_past_initial_capacity():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("pack", [True, False])
-@pytest.mark.parametrize("wins", [True, False])
+@pytest.mark.parametrize(("pack", "choice"), [(True, "mkl"), (True, "onednn"), (True, "native"),
+                                              (False, "mkl"), (False, "native")])
 @pytest.mark.parametrize("rows", [1, 3, 15, 37])
-def test_linear_packed_or_plain_equals_f_linear(pack, wins, rows):
-    """Whichever kernel the calibration picks for a row count computes the same projection."""
+def test_linear_takes_the_chosen_kernel_and_equals_f_linear(pack, choice, rows, monkeypatch):
+    """Whichever kernel the calibration picks for a row count computes the same projection, and
+    the call takes that kernel (the prepacked one beyond the calibrated counts)."""
+    from runtime import native
     from runtime.llama import _CALIBRATED_ROWS
 
+    if choice == "native" and native.kernel() is None:
+        pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
     w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(rows, 1, 24)
-    lin = Linear(w, b, pack=pack)
-    if pack:
-        lin._wins = (wins,) * len(_CALIBRATED_ROWS)
-        assert lin._use_packed(rows) == (wins or rows > _CALIBRATED_ROWS[-1])
-    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    lin = Linear(w, b, pack=pack, native_kernel=choice == "native")
+    lin._choice = (choice,) * len(_CALIBRATED_ROWS)
+    expected = choice if rows <= _CALIBRATED_ROWS[-1] else ("onednn" if pack else "mkl")
+    assert lin.kernel_for(rows) == expected
+    calls = []
+    spies = (("onednn", torch.ops.mkldnn, "_linear_pointwise"), ("mkl", torch.nn.functional, "linear"))
+    for name, owner, attr in spies:
+        fn = getattr(owner, attr)
+        monkeypatch.setattr(owner, attr, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
+    got = lin(x)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert calls == ([] if expected == "native" else [expected])
 
 
 def test_packed_calls_beyond_the_calibrated_rows_run_at_few_row_counts(monkeypatch):
@@ -196,10 +208,13 @@ def test_packed_calls_beyond_the_calibrated_rows_run_at_few_row_counts(monkeypat
 
 
 def test_kernel_calibration_covers_every_row_count():
-    from runtime.llama import _CALIBRATED_ROWS, packed_wins
+    from runtime import native
+    from runtime.llama import _CALIBRATED_ROWS, kernel_choice
 
-    wins = packed_wins(24, 40, torch.get_num_threads())
-    assert len(wins) == len(_CALIBRATED_ROWS) and all(isinstance(w, bool) for w in wins)
+    have_native = native.kernel() is not None
+    for packed, native_kernel, allowed in ((True, have_native, {"mkl", "onednn", "native"}), (False, False, {"mkl"})):
+        choice = kernel_choice(24, 40, torch.get_num_threads(), packed=packed, native_kernel=native_kernel)
+        assert len(choice) == len(_CALIBRATED_ROWS) and set(choice) <= allowed
 
 
 def test_unsupported_models_fall_back_to_hf_forward():
