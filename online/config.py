@@ -4,7 +4,8 @@ Sections are typed dataclasses with defaults. An environment variable
 `LIVEDRAFT_<SECTION>__<FIELD>` (double underscore) overrides `[section] field`
 in the file; `LIVEDRAFT_CONFIG` names the file; `LIVEDRAFT_API_KEY` sets `[serve] api_key`;
 `LIVEDRAFT_DATA_DIR` sets `data_dir` and `LIVEDRAFT_LLAMA_SERVER` sets `llama_server` (top-level
-keys). Unknown keys are errors, so a typo never silently does nothing.
+keys). Unknown keys are errors, so a typo never silently does nothing; `LIVEDRAFT_NATIVE_KERNELS`
+and `LIVEDRAFT_KERNEL_DIR` are the runtime's own switches (runtime/native.py), not config.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from runtime.hotswap import RollbackConfig
 
 ENV_PREFIX = "LIVEDRAFT_"
+# Read by the runtime itself in every process that runs a model (runtime/native.py), not config keys.
+RUNTIME_ENV = frozenset({"LIVEDRAFT_NATIVE_KERNELS", "LIVEDRAFT_KERNEL_DIR"})
 
 
 class ConfigError(ValueError):
@@ -389,8 +392,8 @@ def _apply_env(cfg: Config, env: dict[str, str]) -> None:
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
             continue
-        if name.startswith(ENV_PREFIX + "TEST_"):
-            continue  # test-suite knobs, not config
+        if name.startswith(ENV_PREFIX + "TEST_") or name in RUNTIME_ENV:
+            continue  # test-suite knobs and the runtime's process-wide switches, not config
         path = name[len(ENV_PREFIX):].lower().split("__")
         target: Any = cfg
         for part in path[:-1]:

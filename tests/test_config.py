@@ -53,6 +53,13 @@ def test_bad_config_is_a_clear_error(tmp_path, text, env, message) -> None:
         load_config(f, env=env)
 
 
+def test_the_runtimes_own_environment_variables_are_not_config_keys(tmp_path) -> None:
+    cfg = load_config(None, env={"LIVEDRAFT_NATIVE_KERNELS": "0", "LIVEDRAFT_KERNEL_DIR": str(tmp_path)})
+    assert cfg == load_config(None, env={})
+    with pytest.raises(ConfigError, match="no config key native_kernel"):
+        load_config(None, env={"LIVEDRAFT_NATIVE_KERNEL": "0"})  # a typo is still an error
+
+
 def test_missing_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env={})
