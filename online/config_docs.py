@@ -48,7 +48,9 @@ def reference() -> str:
         "`LIVEDRAFT_<SECTION>__<KEY>` (double underscore) overrides `[section] key`, e.g. "
         "`LIVEDRAFT_DAEMON__MIN_NEW_TRACES=50`; `LIVEDRAFT_DATA_DIR` sets `data_dir` and "
         "`LIVEDRAFT_API_KEY` sets `[serve] api_key`. Unknown keys are errors. `livedraft config show` prints "
-        "the effective configuration.",
+        "the effective configuration. Not config keys: `LIVEDRAFT_NATIVE_KERNELS=0` keeps the engine on torch's "
+        "CPU kernels and `LIVEDRAFT_KERNEL_DIR` says where its native kernel is compiled to (operations.md, "
+        "Serving).",
         "",
     ]
     top = [f for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(typing.get_type_hints(Config)[f.name])]
