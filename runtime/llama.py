@@ -37,6 +37,7 @@ Outputs match the Hugging Face forward to float rounding (tests/test_llama_runne
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -105,13 +106,13 @@ def kernel_choice(in_features: int, out_features: int, threads: int, *, packed: 
     fast = native.kernel() if native_kernel else None
     if fast is not None:
         candidates[NATIVE] = lambda x, i: fast(x, ws[i], None)
-    calls = iter(range(1 << 62))
+    weight_index = itertools.cycle(range(copies))  # each call on the copy least recently read
 
     def best(fn: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor) -> float:
-        fn(x, next(calls) % copies)
+        fn(x, next(weight_index))
         times = []
         for _ in range(5):
-            i = next(calls) % copies
+            i = next(weight_index)
             t0 = time.perf_counter()
             fn(x, i)
             times.append(time.perf_counter() - t0)

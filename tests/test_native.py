@@ -4,6 +4,7 @@ with a reason where it cannot run."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -79,11 +80,10 @@ def test_switched_off_or_without_a_compiler_there_is_no_kernel_and_runners_still
         "w, x = torch.randn(8, 16), torch.randn(3, 16); lin = Linear(w)\n"
         "assert 'native' not in lin._choice; torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w))\n"
     )
-    import os
-
-    for env in ({"LIVEDRAFT_NATIVE_KERNELS": "0"}, {"PATH": str(tmp_path), "CC": ""}):
+    for env, unset in (({"LIVEDRAFT_NATIVE_KERNELS": "0"}, ()), ({"PATH": str(tmp_path)}, ("CC",))):
         full = {**os.environ, "LIVEDRAFT_KERNEL_DIR": str(tmp_path / "k"), **env}
-        full.pop("CC", None) if env.get("CC") == "" else None
+        for name in unset:
+            full.pop(name, None)
         out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert ("off" in out.stdout) if "LIVEDRAFT_NATIVE_KERNELS" in env else ("compiler" in out.stdout)
