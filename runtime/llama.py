@@ -17,7 +17,7 @@ same arithmetic straight off the model's weights:
   every call and costs ~2x a one-row call; the prepacked kernel stays close
   to the one-row cost, which is what makes verifying k+1 tokens cheap. Which
   kernel wins at few rows depends on the CPU, so it is measured once per
-  weight shape (`packed_wins`) and each call takes the faster one. oneDNN
+  weight shape (`kernel_choice`) and each call takes the fastest. oneDNN
   builds its kernel for each new row count (~0.5-1 ms a weight shape on a
   2-core AVX2 EPYC), so beyond the calibrated counts the rows are padded up to
   one of four counts per power of two (`packed_rows`, under 25 % extra rows):
