@@ -120,6 +120,18 @@ def recovery(adapted: list[RequestStats], start: int, end: int, w: int) -> int |
                 None)
 
 
+def recovery_to_reference(adapted: list[RequestStats], reference: list[RequestStats], start: int, end: int,
+                          w: int) -> int | None:
+    """Requests after a shift until the adapted drafter's acceptance rate over its last `w` requests first
+    reaches 90 % of the cross-fitted reference's over the same requests (None: never). Unlike `recovery`,
+    whose threshold is the adapted drafter's own level late in the segment, the bar moves with the
+    requests: easier requests late in a segment raise both sides alike, so this counts how long the
+    loop lags a head that knew the domain, not how the segment's traffic is ordered."""
+    return next((i for i in range(w, end - start + 1)
+                 if rate(adapted[start + i - w : start + i]) >= 0.9 * rate(reference[start + i - w : start + i])),
+                None)
+
+
 def load_traffic(target, args, cache: Path) -> list[Request]:
     """The stream: per domain, the target's greedy answers to its prompts, cached per domain (a
     long run that fails in one domain keeps the others)."""
@@ -329,6 +341,8 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
             lt["offline_unseen"], lt["offline_unseen_gain"] = round(ref, 3), round(ref - f_tail, 3)
             lt["online_vs_offline_gain"] = (round(lt["gain"] / lt["offline_unseen_gain"], 3)
                                             if lt["offline_unseen_gain"] > 0 else None)
+            if j > 0:
+                row["recovery_to_reference"] = recovery_to_reference(adapted, uns, a, b, 16)
             row["offline_unseen"] = summary(uns[a:b])
             row["online_vs_unseen_acceptance_rate"] = round(
                 ads["acceptance_rate"] / max(row["offline_unseen"]["acceptance_rate"], 1e-9), 3)
@@ -357,13 +371,16 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
               f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} | "
               f"{' / '.join(str(v) for v in r['after_shift'].values()) if r['after_shift'] else '—'} |")
     print("\nLast third of each segment, acceptance rate (gain over the frozen head):\n")
-    print("| domain (requests) | frozen | online | offline, cross-fitted | online gain / offline gain |")
-    print("|---|---|---|---|---|")
+    print("| domain (requests) | frozen | online | offline, cross-fitted | online gain / offline gain "
+          "| recovery to 90 % of the reference (requests) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         lt = r["last_third"]
         ref = (f"{lt['offline_unseen']} ({lt['offline_unseen_gain']:+}) | {lt['online_vs_offline_gain']}"
                if "offline_unseen" in lt else "— | —")
-        print(f"| {r['domain']} ({lt['requests']}) | {lt['frozen']} | {lt['adapted']} ({lt['gain']:+}) | {ref} |")
+        lag = r.get("recovery_to_reference")
+        print(f"| {r['domain']} ({lt['requests']}) | {lt['frozen']} | {lt['adapted']} ({lt['gain']:+}) | {ref} "
+              f"| {'—' if lag is None else lag} |")
     if extra.get("served"):
         from bench.bench_do_no_harm import HEADER
         from bench.bench_do_no_harm import row as served_row

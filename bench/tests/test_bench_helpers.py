@@ -112,6 +112,31 @@ def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_perce
     assert recovery(served([0] * 30 + [4] * 10), 0, 40, 4) == 33
 
 
+def test_recovery_to_the_reference_follows_the_references_rate_on_the_same_requests():
+    from bench.bench_adaptation import recovery, recovery_to_reference
+    from runtime.stats import RequestStats
+
+    def served(accepted: list[int]) -> list[RequestStats]:  # one 4-token draft per request
+        out = []
+        for a in accepted:
+            s = RequestStats()
+            s.record_step(4, a)
+            out.append(s)
+        return out
+
+    # the segment's requests grow easier: the reference accepts 2 of 4, then 4 of 4 over the last third; the
+    # online head lags it by 5 requests, then matches it. Its own late level is 1.0, so `recovery` waits for
+    # the easy requests (window 4 at >= 0.9: the 4 of 4 from request 21 on); against the reference it
+    # recovered once its window held no 0 (request 9).
+    reference = served([2] * 20 + [4] * 10)
+    online = served([0] * 5 + [2] * 15 + [4] * 10)
+    assert recovery(online, 0, 30, 4) == 24
+    assert recovery_to_reference(online, reference, 0, 30, 4) == 9
+    # never within 90 % of the reference: None; equal from the start: recovered once the window is full
+    assert recovery_to_reference(served([1] * 30), reference, 0, 30, 4) is None
+    assert recovery_to_reference(reference, reference, 10, 30, 4) == 4
+
+
 def test_a_served_version_is_timed_on_its_segments_last_requests():
     from bench.traffic import served_tail
 
