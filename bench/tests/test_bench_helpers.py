@@ -86,17 +86,20 @@ def test_prompt_pools_are_deterministic_and_domain_specific():
         prompt_pool("poetry", 3)
 
 
-def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_percent_of_the_last_thirds():
-    from bench.bench_adaptation import after_shift, last_third, recovery
+def served(accepted: list[int]) -> list:
+    """Per request, RequestStats of one 4-token draft with `accepted` of its tokens accepted."""
     from runtime.stats import RequestStats
 
-    def served(accepted: list[int]) -> list[RequestStats]:  # one 4-token draft per request
-        out = []
-        for a in accepted:
-            s = RequestStats()
-            s.record_step(4, a)
-            out.append(s)
-        return out
+    out = []
+    for a in accepted:
+        s = RequestStats()
+        s.record_step(4, a)
+        out.append(s)
+    return out
+
+
+def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_percent_of_the_last_thirds():
+    from bench.bench_adaptation import after_shift, last_third, recovery
 
     assert last_third(10, 40) == slice(30, 40)
     # segment 10..40: three requests at 0 of 4 after the shift, then 2 of 4; last third's rate 0.5, threshold
@@ -114,15 +117,6 @@ def test_recovery_is_requests_until_the_rolling_acceptance_rate_reaches_90_perce
 
 def test_recovery_to_the_reference_follows_the_references_rate_on_the_same_requests():
     from bench.bench_adaptation import recovery, recovery_to_reference
-    from runtime.stats import RequestStats
-
-    def served(accepted: list[int]) -> list[RequestStats]:  # one 4-token draft per request
-        out = []
-        for a in accepted:
-            s = RequestStats()
-            s.record_step(4, a)
-            out.append(s)
-        return out
 
     # the segment's requests grow easier: the reference accepts 2 of 4, then 4 of 4 over the last third; the
     # online head lags it by 5 requests, then matches it. Its own late level is 1.0, so `recovery` waits for
