@@ -45,6 +45,7 @@ import logging
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -111,13 +112,20 @@ def after_shift(adapted: list[RequestStats], start: int, end: int, n: int) -> fl
     return rate(adapted[start : min(start + n, end)])
 
 
-def recovery(adapted: list[RequestStats], start: int, end: int, w: int) -> int | None:
+def recovered_at(adapted: list[RequestStats], start: int, end: int, w: int,
+                 bar: Callable[[slice], float]) -> int | None:
     """Requests after a shift (the segment is [start, end)) until the adapted drafter's acceptance rate,
-    pooled over its last `w` requests, first reaches 90 % of its level over the segment's last third
-    (None: never)."""
-    level = rate(adapted[last_third(start, end)])
-    return next((i for i in range(w, end - start + 1) if rate(adapted[start + i - w : start + i]) >= 0.9 * level),
+    pooled over its last `w` requests, first reaches 90 % of `bar(those requests)` (None: never)."""
+    return next((i for i in range(w, end - start + 1)
+                 if rate(adapted[start + i - w : start + i]) >= 0.9 * bar(slice(start + i - w, start + i))),
                 None)
+
+
+def recovery(adapted: list[RequestStats], start: int, end: int, w: int) -> int | None:
+    """Requests after a shift until the adapted drafter's pooled rate over its last `w` requests first
+    reaches 90 % of its level over the segment's last third (None: never)."""
+    level = rate(adapted[last_third(start, end)])
+    return recovered_at(adapted, start, end, w, lambda _: level)
 
 
 def recovery_to_reference(adapted: list[RequestStats], reference: list[RequestStats], start: int, end: int,
@@ -127,9 +135,7 @@ def recovery_to_reference(adapted: list[RequestStats], reference: list[RequestSt
     whose threshold is the adapted drafter's own level late in the segment, the bar moves with the
     requests: easier requests late in a segment raise both sides alike, so this counts how long the
     loop lags a head that knew the domain, not how the segment's traffic is ordered."""
-    return next((i for i in range(w, end - start + 1)
-                 if rate(adapted[start + i - w : start + i]) >= 0.9 * rate(reference[start + i - w : start + i])),
-                None)
+    return recovered_at(adapted, start, end, w, lambda window: rate(reference[window]))
 
 
 def load_traffic(target, args, cache: Path) -> list[Request]:
