@@ -318,6 +318,14 @@ def served_speed(args, target, traffic: list[Request], versions: dict[str, Path]
     return results
 
 
+def first_promotion(rounds: list[dict], start: int, end: int) -> int | None:
+    """Requests after a shift (the segment is [start, end)) until the first round of the segment whose
+    candidate the gate promoted (None: none was): until then the head served is one that never trained
+    on the new domain, so this is the gate's share of `recovery` and the rest is the learning's."""
+    return next((r["after_request"] - start for r in rounds if start < r["after_request"] <= end and r["promoted"]),
+                None)
+
+
 def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: list[RequestStats], rounds: list,
            out: Path, timing: dict, extra: dict | None = None) -> None:
     """`extra` (eagle): {"init": provenance; once measured, "served": tokens/s of the served versions
@@ -339,6 +347,7 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
                "acceptance_rate_gain": round(ads["acceptance_rate"] - fs["acceptance_rate"], 3),
                "mal_gain": round(ads["mean_acceptance_length"] - fs["mean_acceptance_length"], 3),
                "recovery_requests": recovery(adapted, a, b, 16) if j > 0 else None,
+               "first_promotion_requests": first_promotion(rounds, a, b) if j > 0 else None,
                "after_shift": {n: round(after_shift(adapted, a, b, n), 3) for n in AFTER_SHIFT} if j > 0 else None,
                "last_third": {"requests": f"{tail.start + 1}-{b}", "frozen": round(f_tail, 3),
                               "adapted": round(a_tail, 3), "gain": round(a_tail - f_tail, 3)}}
@@ -366,15 +375,16 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
          [s.mean_acceptance_length for s in uns] if uns else None)
     print(f"\n{timing}\n")
     print("| domain (requests) | frozen MAL | adapted MAL | frozen acc. rate | adapted acc. rate | gain (acc. rate) "
-          "| first-token acc. frozen → adapted | recovery after shift (requests) "
-          f"| acc. rate, first {' / '.join(map(str, AFTER_SHIFT))} after shift |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| first-token acc. frozen → adapted | recovery after shift (requests) | first promotion after shift "
+          f"(requests) | acc. rate, first {' / '.join(map(str, AFTER_SHIFT))} after shift |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, a = r["frozen"], r["adapted"]
         print(f"| {r['domain']} ({r['requests']}) | {f['mean_acceptance_length']} | {a['mean_acceptance_length']} | "
               f"{f['acceptance_rate']} | {a['acceptance_rate']} | {r['acceptance_rate_gain']:+} | "
               f"{f['first_token_acceptance']} → {a['first_token_acceptance']} | "
               f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} | "
+              f"{r['first_promotion_requests'] if r['first_promotion_requests'] is not None else '—'} | "
               f"{' / '.join(str(v) for v in r['after_shift'].values()) if r['after_shift'] else '—'} |")
     print("\nLast third of each segment, acceptance rate (gain over the frozen head):\n")
     print("| domain (requests) | frozen | online | offline, cross-fitted | online gain / offline gain "

@@ -131,6 +131,18 @@ def test_recovery_to_the_reference_follows_the_references_rate_on_the_same_reque
     assert recovery_to_reference(reference, reference, 10, 30, 4) == 4
 
 
+def test_the_first_promotion_after_a_shift_counts_requests_to_the_first_promoted_round_of_the_segment():
+    from bench.bench_adaptation import first_promotion
+
+    rounds = [{"after_request": n, "promoted": p} for n, p in
+              [(16, True), (32, False), (48, True), (64, False), (80, False), (96, True), (112, True)]]
+    # the segment [48, 112) begins after the round at 48 (promoted on the old domain's traffic): its first
+    # promoted round is the one after request 96, 48 requests into it; a segment with none promoted: None
+    assert first_promotion(rounds, 48, 112) == 48
+    assert first_promotion(rounds, 0, 48) == 16
+    assert first_promotion(rounds, 48, 90) is None
+
+
 def test_a_served_version_is_timed_on_its_segments_last_requests():
     from bench.traffic import served_tail
 
