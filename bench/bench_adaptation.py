@@ -320,8 +320,8 @@ def served_speed(args, target, traffic: list[Request], versions: dict[str, Path]
 
 def first_promotion(rounds: list[dict], start: int, end: int) -> int | None:
     """Requests after a shift (the segment is [start, end)) until the first round of the segment whose
-    candidate the gate promoted (None: none was): until then the head served is one that never trained
-    on the new domain, so this is the gate's share of `recovery` and the rest is the learning's."""
+    candidate the gate promoted (None: none was): until then the new domain is served by a head that never
+    trained on it, however well the rounds learn it."""
     return next((r["after_request"] - start for r in rounds if start < r["after_request"] <= end and r["promoted"]),
                 None)
 
