@@ -218,14 +218,19 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     return run
 
 
+def _reference_cfg(run: EagleRun, args) -> TrainerConfig:
+    """An offline reference's training: the initial head distilled for as many steps as all rounds together."""
+    return TrainerConfig(steps=max(run.total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
+                         seed=args.seed, warmup_steps=2, vocab_refresh=args.vocab_refresh)
+
+
 def references(run: EagleRun, args, target, work: Path) -> dict:
     """The offline references, the initial head distilled for as many steps as all rounds together:
     cross-fitted (`offline_unseen`: trained on one half of the stream, every other request of every
     domain, and scored on the other half, and the other way round -- it knows the traffic in advance,
     but not the request) and, with `args.references == "both"`, on the whole stream and scored on it
     (`offline`: it has trained on every request it is scored on)."""
-    cfg = TrainerConfig(steps=max(run.total_steps, 1), batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
-                        seed=args.seed, warmup_steps=2, vocab_refresh=args.vocab_refresh)
+    cfg = _reference_cfg(run, args)
 
     def fit(train: list[RequestTrace], name: str) -> Path:
         t0 = time.perf_counter()
@@ -241,4 +246,37 @@ def references(run: EagleRun, args, target, work: Path) -> dict:
            "offline_unseen": cross_fit(run.logged, lambda train, fold: fit(train, f"fold{fold}"), score)}
     if args.references == "both":
         out["offline"] = score(fit(run.logged, "offline"), run.logged)
+    return out
+
+
+def past_windows(bounds: dict[str, tuple[int, int]], after: Sequence[int], n: int) -> list[tuple[str, int, int, int]]:
+    """(domain, n_after, cut, end) for every segment after the first and every `n_after` in `after` that
+    leaves requests to score: a past reference trains on the stream before `cut` (= the segment's start +
+    n_after) and is scored on [cut, end), the next `n` requests of the segment at most."""
+    out = []
+    for j, (d, (a, b)) in enumerate(bounds.items()):
+        for k in after:
+            if j > 0 and a + k < b:
+                out.append((d, k, a + k, min(a + k + n, b)))
+    return out
+
+
+def past_references(run: EagleRun, args, target, work: Path, bounds: dict[str, tuple[int, int]], n: int
+                    ) -> list[dict]:
+    """What any learner of this head could serve N requests after a shift, with the loop's data but
+    no deadline: the initial head distilled with the cross-fitted reference's budget on every request
+    served before the cut (all segments so far, the new one's first N), scored on the next `n`
+    requests beside the online head that served them (its per-request stats are
+    returned; the report sets both against the cross-fitted reference on the same requests)."""
+    cfg = _reference_cfg(run, args)
+    out = []
+    for domain, n_after, cut, end in past_windows(bounds, args.past_references, n):
+        name = f"past-{domain}-{n_after}"
+        t0 = time.perf_counter()
+        distill_eagle(run.init_dir, run.logged[:cut], work / name, cfg, target, passes=run.passes, version=name)
+        stats = per_request(replay_head(work / name, name, target, run.logged[cut:end], run.passes, args.k).traces)
+        log.info("past reference %s: %d steps on %d requests, scored on %d-%d in %.0fs", name, cfg.steps, cut,
+                 cut + 1, end, time.perf_counter() - t0)
+        shutil.rmtree(work / name, ignore_errors=True)
+        out.append({"domain": domain, "after": n_after, "cut": cut, "end": end, "stats": stats})
     return out

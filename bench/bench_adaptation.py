@@ -22,7 +22,12 @@ tokens). Two drafters serve the same request stream at fixed k:
     included), and cross-fitted -- trained on every other request of the stream and
     scored on the requests it did not train on, both halves -- what knowing the
     traffic in advance buys without having seen the request; online adaptation
-    should come close to the latter.
+    should come close to the latter;
+(d) eagle, with `--past-references N,...`: per segment after the first, the
+    initial head distilled with the references' budget on every request served
+    before the segment's N-th, scored on the next requests -- what any learner of
+    this head could serve N requests after a shift with the data the loop had by
+    then and no deadline: a bound on recovery that no round cadence beats.
 
 To fit a CPU budget the target runs once: it answers every prompt greedily
 (batched) and logs its top-k logprobs per position. Serving each request with
@@ -98,6 +103,7 @@ def rate(stats: list[RequestStats]) -> float:
 
 
 AFTER_SHIFT = (50, 100)  # the report's acceptance rate over a segment's first requests
+PAST_SCORED = 32  # requests after a past reference's cut that it is scored on (--past-references)
 
 
 def last_third(a: int, b: int) -> slice:
@@ -205,6 +211,12 @@ def main() -> None:
                     help="eagle: after the online run, distil the cross-fitted offline reference (c) (two "
                          "distillations, each as many steps as all rounds together: longer than the online run), "
                          "both references (three), or none")
+    ap.add_argument("--past-references", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    metavar="N[,N...]",
+                    help="eagle: after the references, per later segment and N, distil the initial head with the "
+                         "reference's budget on every request before the segment's N-th and score it on the next "
+                         f"{PAST_SCORED}: what any learner with the loop's data could serve N requests after a shift "
+                         "(one distillation each)")
     ap.add_argument("--serve-prompts", type=int, default=0,
                     help="eagle: time, against the target alone on our engine, the version that served each "
                          "segment's N-th last request, on the segment's last N requests: prompts neither it nor a "
@@ -226,7 +238,7 @@ def main() -> None:
     traffic = load_traffic(target, args, out.parent / f"{out.name}_traffic.json")
     t_traffic = time.perf_counter() - t_start
     if args.kind == "eagle":
-        from bench.adaptation_eagle import references, run_eagle
+        from bench.adaptation_eagle import past_references, references, run_eagle
 
         run = run_eagle(args, target, traffic, out, work)
         extra: dict = {"init": str(run.init_dir)}
@@ -243,6 +255,10 @@ def main() -> None:
             write()
         if args.references != "none":
             extra.update(references(run, args, target, work))
+            write()
+        if args.past_references:
+            extra["past"] = past_references(run, args, target, work, segments(traffic, args.domains.split(",")),
+                                            PAST_SCORED)
             write()
         shutil.rmtree(work, ignore_errors=True)
         return
@@ -326,6 +342,18 @@ def first_promotion(rounds: list[dict], start: int, end: int) -> int | None:
                 None)
 
 
+def past_row(past: dict, adapted: list[RequestStats], reference: list[RequestStats] | None) -> dict:
+    """A past reference (bench.adaptation_eagle.past_references) set beside the online head that served
+    the same requests and, when measured, the cross-fitted reference on them: acceptance rates, pooled."""
+    window = slice(past["cut"], past["end"])
+    p, o = rate(past["stats"]), rate(adapted[window])
+    ref = rate(reference[window]) if reference else None
+    return {"domain": past["domain"], "after": past["after"], "requests": f"{window.start + 1}-{window.stop}",
+            "past": round(p, 3), "online": round(o, 3), "offline_unseen": None if ref is None else round(ref, 3),
+            "past_vs_offline": round(p / ref, 3) if ref else None,
+            "online_vs_offline": round(o / ref, 3) if ref else None}
+
+
 def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: list[RequestStats], rounds: list,
            out: Path, timing: dict, extra: dict | None = None) -> None:
     """`extra` (eagle): {"init": provenance; once measured, "served": tokens/s of the served versions
@@ -366,7 +394,8 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
             row["online_vs_offline_acceptance_rate"] = round(
                 ads["acceptance_rate"] / max(row["offline"]["acceptance_rate"], 1e-9), 3)
         rows.append(row)
-    result = {"config": vars(args), "timing": timing, "domains": rows, "rounds": rounds,
+    past = [past_row(p, adapted, uns) for p in extra.get("past", [])]
+    result = {"config": vars(args), "timing": timing, "domains": rows, "rounds": rounds, "past_references": past,
               "init": extra.get("init"), "served": extra.get("served"), "offline_steps": extra.get("offline_steps"),
               "per_request_mal": {"frozen": [round(x, 3) for x in fm], "adapted": [round(x, 3) for x in am]}}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -397,6 +426,17 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         lag = r.get("recovery_to_reference")
         print(f"| {r['domain']} ({lt['requests']}) | {lt['frozen']} | {lt['adapted']} ({lt['gain']:+}) | {ref} "
               f"| {'—' if lag is None else lag} |")
+    if past:
+        print(f"\nPast references: the initial head distilled ({extra.get('offline_steps')} steps) on every request "
+              f"before the cut, scored on the next {PAST_SCORED} requests beside the online head that served them:\n")
+        print("| domain | cut (requests after the shift) | scored on | past reference | online | offline, cross-fitted "
+              "| past / cross-fitted | online / cross-fitted |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in past:
+            print(f"| {r['domain']} | {r['after']} | {r['requests']} | {r['past']} | {r['online']} | "
+                  f"{'—' if r['offline_unseen'] is None else r['offline_unseen']} | "
+                  f"{'—' if r['past_vs_offline'] is None else r['past_vs_offline']} | "
+                  f"{'—' if r['online_vs_offline'] is None else r['online_vs_offline']} |")
     if extra.get("served"):
         from bench.bench_do_no_harm import HEADER
         from bench.bench_do_no_harm import row as served_row

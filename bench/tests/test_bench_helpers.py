@@ -143,6 +143,24 @@ def test_the_first_promotion_after_a_shift_counts_requests_to_the_first_promoted
     assert first_promotion(rounds, 48, 90) is None
 
 
+def test_a_past_reference_trains_before_its_cut_and_is_scored_beside_the_online_head_after_it():
+    from bench.adaptation_eagle import past_windows
+    from bench.bench_adaptation import past_row
+
+    bounds = {"stories": (0, 300), "code": (300, 600), "short": (600, 640)}
+    # no past reference for the first segment; a cut at or past a segment's end leaves nothing to score
+    assert past_windows(bounds, [96, 280, 300], 32) == [("code", 96, 396, 428), ("code", 280, 580, 600)]
+    assert past_windows(bounds, [16], 32) == [("code", 16, 316, 348), ("short", 16, 616, 640)]
+    # scored on [cut, end) only: the online head 1 of 4 there, the past head 2 of 4, the reference 4 of 4
+    online = served([4] * 8 + [1] * 4 + [4] * 4)
+    row = past_row({"domain": "code", "after": 4, "cut": 8, "end": 12, "stats": served([2] * 4)}, online,
+                   served([0] * 8 + [4] * 8))
+    assert row == {"domain": "code", "after": 4, "requests": "9-12", "past": 0.5, "online": 0.25,
+                   "offline_unseen": 1.0, "past_vs_offline": 0.5, "online_vs_offline": 0.25}
+    assert past_row({"domain": "code", "after": 4, "cut": 8, "end": 12, "stats": served([2] * 4)}, online,
+                    None)["past_vs_offline"] is None
+
+
 def test_a_served_version_is_timed_on_its_segments_last_requests():
     from bench.traffic import served_tail
 
