@@ -342,6 +342,11 @@ def first_promotion(rounds: list[dict], start: int, end: int) -> int | None:
                 None)
 
 
+def cell(value) -> str:
+    """A table cell: the value, or a dash where there is none (no shift, no reference, never recovered)."""
+    return "—" if value is None else str(value)
+
+
 def past_row(past: dict, adapted: list[RequestStats], reference: list[RequestStats] | None) -> dict:
     """A past reference (bench.adaptation_eagle.past_references) set beside the online head that served
     the same requests and, when measured, the cross-fitted reference on them: acceptance rates, pooled."""
@@ -412,8 +417,7 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         print(f"| {r['domain']} ({r['requests']}) | {f['mean_acceptance_length']} | {a['mean_acceptance_length']} | "
               f"{f['acceptance_rate']} | {a['acceptance_rate']} | {r['acceptance_rate_gain']:+} | "
               f"{f['first_token_acceptance']} → {a['first_token_acceptance']} | "
-              f"{r['recovery_requests'] if r['recovery_requests'] is not None else '—'} | "
-              f"{r['first_promotion_requests'] if r['first_promotion_requests'] is not None else '—'} | "
+              f"{cell(r['recovery_requests'])} | {cell(r['first_promotion_requests'])} | "
               f"{' / '.join(str(v) for v in r['after_shift'].values()) if r['after_shift'] else '—'} |")
     print("\nLast third of each segment, acceptance rate (gain over the frozen head):\n")
     print("| domain (requests) | frozen | online | offline, cross-fitted | online gain / offline gain "
@@ -423,9 +427,8 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         lt = r["last_third"]
         ref = (f"{lt['offline_unseen']} ({lt['offline_unseen_gain']:+}) | {lt['online_vs_offline_gain']}"
                if "offline_unseen" in lt else "— | —")
-        lag = r.get("recovery_to_reference")
         print(f"| {r['domain']} ({lt['requests']}) | {lt['frozen']} | {lt['adapted']} ({lt['gain']:+}) | {ref} "
-              f"| {'—' if lag is None else lag} |")
+              f"| {cell(r.get('recovery_to_reference'))} |")
     if past:
         print(f"\nPast references: the initial head distilled ({extra.get('offline_steps')} steps) on every request "
               f"before the cut, scored on the next {PAST_SCORED} requests beside the online head that served them:\n")
@@ -434,9 +437,7 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         print("|---|---|---|---|---|---|---|---|")
         for r in past:
             print(f"| {r['domain']} | {r['after']} | {r['requests']} | {r['past']} | {r['online']} | "
-                  f"{'—' if r['offline_unseen'] is None else r['offline_unseen']} | "
-                  f"{'—' if r['past_vs_offline'] is None else r['past_vs_offline']} | "
-                  f"{'—' if r['online_vs_offline'] is None else r['online_vs_offline']} |")
+                  f"{cell(r['offline_unseen'])} | {cell(r['past_vs_offline'])} | {cell(r['online_vs_offline'])} |")
     if extra.get("served"):
         from bench.bench_do_no_harm import HEADER
         from bench.bench_do_no_harm import row as served_row

@@ -161,6 +161,35 @@ def test_a_past_reference_trains_before_its_cut_and_is_scored_beside_the_online_
                     None)["past_vs_offline"] is None
 
 
+def test_the_report_writes_every_segment_figure_to_json_and_dashes_what_a_segment_has_none_of(tmp_path, capsys):
+    import json
+    from types import SimpleNamespace
+
+    from bench.bench_adaptation import report
+    from bench.traffic import Request
+
+    traffic = [Request([1], [2], 4, "length", tag=d) for d in ["stories"] * 24 + ["code"] * 24]
+    frozen = served([2] * 24 + [0] * 24)
+    online = served([2] * 24 + [0] * 3 + [2] * 21)
+    rounds = [{"after_request": n, "promoted": n == 32, "candidate_mal": 1.5, "champion_mal": 1.2} for n in (16, 32)]
+    args = SimpleNamespace(domains="stories,code", k=4)
+    report(args, traffic, frozen, online, rounds, tmp_path / "run", {"traffic_s": 1.0})
+    out = json.loads((tmp_path / "run.json").read_text())
+    stories, code = out["domains"]
+    assert stories["recovery_requests"] is None and stories["first_promotion_requests"] is None
+    # code: last third (requests 41-48) at 2 of 4, threshold 0.45; a 16-request window reaches it once it
+    # holds at most one of the three 0s after the shift (15 / 32), first at the segment's 18th request
+    assert code["first_promotion_requests"] == 8 and code["recovery_requests"] == 18
+    assert code["last_third"] == {"requests": "41-48", "frozen": 0.0, "adapted": 0.5, "gain": 0.5}
+    assert (tmp_path / "run.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    stories_line = next(ln for ln in printed.splitlines() if ln.startswith("| stories (1-24)"))
+    assert stories_line.endswith("| — | — | — |")  # no shift into the first segment: no recovery, promotion or rate
+    code_line = next(ln for ln in printed.splitlines() if ln.startswith("| code (25-48)"))
+    assert "| 18 | 8 |" in code_line
+    assert "Past references" not in printed  # none asked for
+
+
 def test_a_served_version_is_timed_on_its_segments_last_requests():
     from bench.traffic import served_tail
 
