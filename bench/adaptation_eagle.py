@@ -20,7 +20,7 @@ from online.config import LINEAGES, TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
 from online.trainer.round import ReplayMetrics, catch_up, decide, target_passes, trains_on
-from online.trainer.warmstart import answer_prompts, warm_start
+from online.trainer.warmstart import answer_prompts, sampled_answers, warm_start
 from online.trainer.windows import held_for_life
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
@@ -261,22 +261,45 @@ def past_windows(bounds: dict[str, tuple[int, int]], after: Sequence[int], n: in
     return out
 
 
+PAST_DATA = ("all", "segment", "sampled")
+PAST_SAMPLED, PAST_TEMPERATURE = 2, 0.8  # the warm start's recipe: two sampled answers per prompt at 0.8
+
+
+def past_training(data: str, logged: list[RequestTrace], start: int, cut: int, target, max_new_tokens: int
+                  ) -> list[RequestTrace]:
+    """What a past reference trains on, the segment starting at `start` served up to `cut`: every request
+    before the cut (`all`), the new segment's only (`segment`), or every request plus the target's
+    answers sampled again to the new segment's prompts (`sampled`: PAST_SAMPLED per prompt at
+    PAST_TEMPERATURE, data a daemon could make at a shift without a request more)."""
+    if data == "all":
+        return logged[:cut]
+    if data == "segment":
+        return logged[start:cut]
+    if data == "sampled":
+        prompts = [t.prompt_ids for t in logged[start:cut]]
+        return logged[:cut] + sampled_answers(target, prompts, max_new_tokens, PAST_SAMPLED, PAST_TEMPERATURE)
+    raise ValueError(f"unknown past data {data!r}: one of {', '.join(PAST_DATA)}")
+
+
 def past_references(run: EagleRun, args, target, work: Path, bounds: dict[str, tuple[int, int]], n: int
                     ) -> list[dict]:
     """What any learner of this head could serve N requests after a shift, with the loop's data but
-    no deadline: the initial head distilled with the cross-fitted reference's budget on every request
-    served before the cut (all segments so far, the new one's first N), scored on the next `n`
-    requests beside the online head that served them (its per-request stats are
+    no deadline: the initial head distilled with the cross-fitted reference's budget on what
+    `past_training` gives for each of `args.past_data` (`all`: every request served before the cut),
+    scored on the next `n` requests beside the online head that served them (its per-request stats are
     returned; the report sets both against the cross-fitted reference on the same requests)."""
     cfg = _reference_cfg(run, args)
     out = []
     for domain, n_after, cut, end in past_windows(bounds, args.past_references, n):
-        name = f"past-{domain}-{n_after}"
-        t0 = time.perf_counter()
-        distill_eagle(run.init_dir, run.logged[:cut], work / name, cfg, target, passes=run.passes, version=name)
-        stats = per_request(replay_head(work / name, name, target, run.logged[cut:end], run.passes, args.k).traces)
-        log.info("past reference %s: %d steps on %d requests, scored on %d-%d in %.0fs", name, cfg.steps, cut,
-                 cut + 1, end, time.perf_counter() - t0)
-        shutil.rmtree(work / name, ignore_errors=True)
-        out.append({"domain": domain, "after": n_after, "cut": cut, "end": end, "stats": stats})
+        for data in args.past_data:
+            name = f"past-{domain}-{n_after}-{data}"
+            t0 = time.perf_counter()
+            train = past_training(data, run.logged, cut - n_after, cut, target, args.max_new_tokens)
+            distill_eagle(run.init_dir, train, work / name, cfg, target, passes=run.passes, version=name)
+            stats = per_request(replay_head(work / name, name, target, run.logged[cut:end], run.passes,
+                                            args.k).traces)
+            log.info("past reference %s: %d steps on %d requests, scored on %d-%d in %.0fs", name, cfg.steps,
+                     len(train), cut + 1, end, time.perf_counter() - t0)
+            shutil.rmtree(work / name, ignore_errors=True)
+            out.append({"domain": domain, "after": n_after, "data": data, "cut": cut, "end": end, "stats": stats})
     return out

@@ -27,7 +27,10 @@ tokens). Two drafters serve the same request stream at fixed k:
     initial head distilled with the references' budget on every request served
     before the segment's N-th, scored on the next requests -- what any learner of
     this head could serve N requests after a shift with the data the loop had by
-    then and no deadline: a bound on recovery that no round cadence beats.
+    then and no deadline: a bound on recovery that no round cadence beats;
+    `--past-data` trains it on the new segment's requests only, or adds the
+    target's sampled answers to their prompts (data a daemon could make at a
+    shift), to see whether that bound is the data's or the mix's.
 
 To fit a CPU budget the target runs once: it answers every prompt greedily
 (batched) and logs its top-k logprobs per position. Serving each request with
@@ -217,6 +220,11 @@ def main() -> None:
                          "reference's budget on every request before the segment's N-th and score it on the next "
                          f"{PAST_SCORED}: what any learner with the loop's data could serve N requests after a shift "
                          "(one distillation each)")
+    ap.add_argument("--past-data", type=lambda v: [x for x in v.split(",") if x], default=["all"],
+                    metavar="DATA[,DATA...]",
+                    help="eagle: what each past reference trains on, one reference per cut and choice: all (every "
+                         "request before the cut), segment (the new segment's only), sampled (all, and the target's "
+                         "answers sampled twice more at temperature 0.8 to the new segment's prompts)")
     ap.add_argument("--serve-prompts", type=int, default=0,
                     help="eagle: time, against the target alone on our engine, the version that served each "
                          "segment's N-th last request, on the segment's last N requests: prompts neither it nor a "
@@ -227,6 +235,10 @@ def main() -> None:
     ap.add_argument("--out", help="result prefix (default: bench/results/adaptation-eagle, or bench/results/adaptation "
                                   "for --kind model)")
     args = ap.parse_args()
+    from bench.adaptation_eagle import PAST_DATA
+
+    if bad := [x for x in args.past_data if x not in PAST_DATA]:
+        ap.error(f"--past-data: unknown {', '.join(bad)} (choose from {', '.join(PAST_DATA)})")
     args.out = args.out or ("bench/results/adaptation-eagle" if args.kind == "eagle" else "bench/results/adaptation")
     for key, model, eagle in (("steps", 14, 16), ("batch_size", 4, 8), ("lr", 1e-3, 5e-4)):
         if getattr(args, key) is None:
@@ -353,7 +365,8 @@ def past_row(past: dict, adapted: list[RequestStats], reference: list[RequestSta
     window = slice(past["cut"], past["end"])
     p, o = rate(past["stats"]), rate(adapted[window])
     ref = rate(reference[window]) if reference else None
-    return {"domain": past["domain"], "after": past["after"], "requests": f"{window.start + 1}-{window.stop}",
+    return {"domain": past["domain"], "after": past["after"], "data": past.get("data", "all"),
+            "requests": f"{window.start + 1}-{window.stop}",
             "past": round(p, 3), "online": round(o, 3), "offline_unseen": None if ref is None else round(ref, 3),
             "past_vs_offline": round(p / ref, 3) if ref else None,
             "online_vs_offline": round(o / ref, 3) if ref else None}
@@ -430,13 +443,14 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         print(f"| {r['domain']} ({lt['requests']}) | {lt['frozen']} | {lt['adapted']} ({lt['gain']:+}) | {ref} "
               f"| {cell(r.get('recovery_to_reference'))} |")
     if past:
-        print(f"\nPast references: the initial head distilled ({extra.get('offline_steps')} steps) on every request "
-              f"before the cut, scored on the next {PAST_SCORED} requests beside the online head that served them:\n")
-        print("| domain | cut (requests after the shift) | scored on | past reference | online | offline, cross-fitted "
-              "| past / cross-fitted | online / cross-fitted |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"\nPast references: the initial head distilled ({extra.get('offline_steps')} steps) on the requests "
+              f"before the cut (all of them, the new segment's, or all and sampled answers to the new segment's "
+              f"prompts), scored on the next {PAST_SCORED} requests beside the online head that served them:\n")
+        print("| domain | cut (requests after the shift) | trained on | scored on | past reference | online "
+              "| offline, cross-fitted | past / cross-fitted | online / cross-fitted |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in past:
-            print(f"| {r['domain']} | {r['after']} | {r['requests']} | {r['past']} | {r['online']} | "
+            print(f"| {r['domain']} | {r['after']} | {r['data']} | {r['requests']} | {r['past']} | {r['online']} | "
                   f"{cell(r['offline_unseen'])} | {cell(r['past_vs_offline'])} | {cell(r['online_vs_offline'])} |")
     if extra.get("served"):
         from bench.bench_do_no_harm import HEADER

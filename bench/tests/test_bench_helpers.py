@@ -155,10 +155,36 @@ def test_a_past_reference_trains_before_its_cut_and_is_scored_beside_the_online_
     online = served([4] * 8 + [1] * 4 + [4] * 4)
     row = past_row({"domain": "code", "after": 4, "cut": 8, "end": 12, "stats": served([2] * 4)}, online,
                    served([0] * 8 + [4] * 8))
-    assert row == {"domain": "code", "after": 4, "requests": "9-12", "past": 0.5, "online": 0.25,
+    assert row == {"domain": "code", "after": 4, "data": "all", "requests": "9-12", "past": 0.5, "online": 0.25,
                    "offline_unseen": 1.0, "past_vs_offline": 0.5, "online_vs_offline": 0.25}
     assert past_row({"domain": "code", "after": 4, "cut": 8, "end": 12, "stats": served([2] * 4)}, online,
                     None)["past_vs_offline"] is None
+
+
+def test_a_past_reference_trains_on_all_before_the_cut_the_new_segments_only_or_all_and_answers_sampled_again(
+        monkeypatch):
+    import bench.adaptation_eagle as ae
+    from bench.traffic import Request
+
+    logged = [ae.as_trace(i, Request([i], [i + 1], 4, "length", tag="code" if i >= 6 else "stories"))
+              for i in range(12)]
+    ids = lambda traces: [t.request_id for t in traces]  # noqa: E731
+    assert ids(ae.past_training("all", logged, 6, 9, None, 4)) == [f"req-{i}" for i in range(9)]
+    assert ids(ae.past_training("segment", logged, 6, 9, None, 4)) == ["req-6", "req-7", "req-8"]
+    asked = []
+
+    def sampled(target, prompts, max_new_tokens, passes, temperature):
+        asked.append((prompts, max_new_tokens, passes, temperature))
+        return [ae.as_trace(100 + j, Request(p, [0], 4, "length"))
+                for _ in range(passes) for j, p in enumerate(prompts)]
+
+    monkeypatch.setattr(ae, "sampled_answers", sampled)
+    train = ae.past_training("sampled", logged, 6, 9, "target", 4)
+    # the new segment's prompts only, answered again twice at 0.8, after everything served before the cut
+    assert asked == [([[6], [7], [8]], 4, 2, 0.8)]
+    assert ids(train[:9]) == [f"req-{i}" for i in range(9)] and len(train) == 15
+    with pytest.raises(ValueError, match="unknown past data"):
+        ae.past_training("newest", logged, 6, 9, None, 4)
 
 
 def test_the_report_writes_every_segment_figure_to_json_and_dashes_what_a_segment_has_none_of(tmp_path, capsys):
