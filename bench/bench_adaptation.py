@@ -365,7 +365,7 @@ def past_row(past: dict, adapted: list[RequestStats], reference: list[RequestSta
     window = slice(past["cut"], past["end"])
     p, o = rate(past["stats"]), rate(adapted[window])
     ref = rate(reference[window]) if reference else None
-    return {"domain": past["domain"], "after": past["after"], "data": past.get("data", "all"),
+    return {"domain": past["domain"], "after": past["after"], "data": past["data"],
             "requests": f"{window.start + 1}-{window.stop}",
             "past": round(p, 3), "online": round(o, 3), "offline_unseen": None if ref is None else round(ref, 3),
             "past_vs_offline": round(p / ref, 3) if ref else None,

@@ -153,12 +153,11 @@ def test_a_past_reference_trains_before_its_cut_and_is_scored_beside_the_online_
     assert past_windows(bounds, [16], 32) == [("code", 16, 316, 348), ("short", 16, 616, 640)]
     # scored on [cut, end) only: the online head 1 of 4 there, the past head 2 of 4, the reference 4 of 4
     online = served([4] * 8 + [1] * 4 + [4] * 4)
-    row = past_row({"domain": "code", "after": 4, "cut": 8, "end": 12, "stats": served([2] * 4)}, online,
-                   served([0] * 8 + [4] * 8))
+    past = {"domain": "code", "after": 4, "data": "all", "cut": 8, "end": 12, "stats": served([2] * 4)}
+    row = past_row(past, online, served([0] * 8 + [4] * 8))
     assert row == {"domain": "code", "after": 4, "data": "all", "requests": "9-12", "past": 0.5, "online": 0.25,
                    "offline_unseen": 1.0, "past_vs_offline": 0.5, "online_vs_offline": 0.25}
-    assert past_row({"domain": "code", "after": 4, "cut": 8, "end": 12, "stats": served([2] * 4)}, online,
-                    None)["past_vs_offline"] is None
+    assert past_row(past, online, None)["past_vs_offline"] is None
 
 
 def test_a_past_reference_trains_on_all_before_the_cut_the_new_segments_only_or_all_and_answers_sampled_again(
