@@ -19,7 +19,7 @@ from bench.traffic import Request, chat_ids, prompt_pool, segments, served_tail
 from online.config import LINEAGES, TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
-from online.trainer.round import ReplayMetrics, catch_up, decide, target_passes, trains_on
+from online.trainer.round import ReplayMetrics, ShiftAnswers, catch_up, decide, target_passes, trains_on
 from online.trainer.warmstart import answer_prompts, sampled_answers, warm_start
 from online.trainer.windows import held_for_life
 from runtime.adaptive import DraftLengthConfig
@@ -165,7 +165,10 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     cfg = TrainerConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ce_weight=0.2,
                         promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2,
                         vocab_refresh=args.vocab_refresh, carry_optimizer=args.carry_optimizer,
-                        catch_up_steps=args.catch_up_steps, catch_up_ratio=args.catch_up_ratio)
+                        catch_up_steps=args.catch_up_steps, catch_up_ratio=args.catch_up_ratio,
+                        shift_answers=args.shift_answers, shift_prompts=args.shift_prompts,
+                        shift_temperature=args.shift_temperature)
+    answers = ShiftAnswers()  # what the daemon's trainer keeps across rounds
     champion_dir, version = init_dir, "initial"
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
     promoted = False  # the last round's verdict (a catch-up round follows a promotion)
@@ -193,7 +196,10 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         cand_version = f"round{len(run.rounds) + 1}"
         why = catch_up(train, promoted, cfg)
         round_cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps) if why else cfg
-        res = distill_eagle(parent_dir, train, work / cand_version, round_cfg, target, passes=passes,
+        trained = train + answers.for_round(train, cfg, target)
+        passes.update(target_passes(target, EagleConfig.read(init_dir).aux_layers,
+                                    [t for t in trained if t.request_id not in passes]))
+        res = distill_eagle(parent_dir, trained, work / cand_version, round_cfg, target, passes=passes,
                             version=cand_version)
         run.total_steps += res.steps
         c_report, h_report = replay(work / cand_version, hold, cand_version), replay(champion_dir, hold, version)
@@ -206,6 +212,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
                            "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
                            "gain_se": round(paired_se(c_report.traces, h_report.traces), 4),
                            "holdout": len(hold), "steps": res.steps, "catch_up": why,
+                           "answers": len(trained) - len(train),
                            "seconds": round(seconds, 1)})
         log.info("round %d after %d requests: %s (%.0fs)", len(run.rounds), r0 + len(block), reason, seconds)
         if promoted:

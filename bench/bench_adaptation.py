@@ -207,6 +207,13 @@ def main() -> None:
     ap.add_argument("--catch-up-ratio", type=float, default=TrainerConfig.catch_up_ratio,
                     help="eagle: the served acceptance ratio, newest quarter of the window to the rest, "
                          "below which a round catches up (trainer.catch_up_ratio)")
+    ap.add_argument("--shift-answers", type=int, default=TrainerConfig.shift_answers,
+                    help="eagle: from a shift on, the target answers the next --shift-prompts prompts this many more "
+                         "times and rounds train on those answers too (the daemon's trainer.shift_answers; 0: none)")
+    ap.add_argument("--shift-prompts", type=int, default=TrainerConfig.shift_prompts,
+                    help="eagle: how many prompts after a shift are answered again (trainer.shift_prompts)")
+    ap.add_argument("--shift-temperature", type=float, default=TrainerConfig.shift_temperature,
+                    help="eagle: the temperature of those answers (trainer.shift_temperature)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     ap.add_argument("--kind", choices=("eagle", "model"), default="eagle")
@@ -239,6 +246,9 @@ def main() -> None:
 
     if bad := [x for x in args.past_data if x not in PAST_DATA]:
         ap.error(f"--past-data: unknown {', '.join(bad)} (choose from {', '.join(PAST_DATA)})")
+    if args.shift_answers < 0 or args.shift_prompts < 0 or not args.shift_temperature > 0:
+        ap.error(f"--shift-answers and --shift-prompts must be >= 0 and --shift-temperature > 0, got "
+                 f"{args.shift_answers}, {args.shift_prompts} and {args.shift_temperature}")
     args.out = args.out or ("bench/results/adaptation-eagle" if args.kind == "eagle" else "bench/results/adaptation")
     for key, model, eagle in (("steps", 14, 16), ("batch_size", 4, 8), ("lr", 1e-3, 5e-4)):
         if getattr(args, key) is None:
@@ -461,7 +471,8 @@ def report(args, traffic: list[Request], frozen: list[RequestStats], adapted: li
         for r in extra["served"]:
             print(served_row(r))
     print("\nrounds: " + "; ".join(f"{x['after_request']}: {x['candidate_mal']} vs {x['champion_mal']}"
-                                  f"{' promoted' if x['promoted'] else ''}" for x in rounds))
+                                  f"{' promoted' if x['promoted'] else ''}"
+                                  f"{f' (+{n} sampled answers)' if (n := x.get('answers')) else ''}" for x in rounds))
 
 
 def plot(frozen: list[float], adapted: list[float], bounds: dict, rounds: list, path: Path, args,

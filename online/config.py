@@ -115,6 +115,14 @@ class TrainerConfig:
     # catch_up_ratio of the acceptance rate of the window's older traces (a shift; online.trainer.round.catch_up)
     catch_up_steps: int = 0
     catch_up_ratio: float = 0.6  # the served acceptance ratio, newest quarter to the rest, that means a shift
+    # from a shift on (as above, whatever catch_up_steps is), the target answers the prompts of the next
+    # shift_prompts requests (the newest quarter's at the shift, then each round's new ones) shift_answers more
+    # times each, sampled at shift_temperature, and rounds train on those answers beside their traces while the
+    # traces stay in the window: data for the new traffic without a user request more (0 = off;
+    # online.trainer.round.ShiftAnswers)
+    shift_answers: int = 0
+    shift_prompts: int = 96  # prompts answered again per shift (at most shift_prompts * shift_answers answers)
+    shift_temperature: float = 0.8  # the temperature those answers are sampled at
     replay_k: int = 4  # draft length the replay gate scores with (match serving)
     # eagle: memory for the target's passes over the last round's newest traces, which the next round's window
     # reads again instead of running the target over them (~0.9 MB per 100-token SmolLM2 trace); 0 = off

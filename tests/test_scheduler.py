@@ -373,3 +373,78 @@ def test_the_trainer_trains_a_catch_up_round_after_a_promotion_and_logs_why(tmp_
             assert svc.run_round_once().ok
     assert steps == [16, 48, 16, 16]  # only the round after the promotion catches up
     assert "a catch-up round of 48 steps (instead of 16): the last round's candidate was promoted" in caplog.text
+
+
+def answered_fake(calls: list):
+    """A stand-in for warmstart.sampled_answers: answer n to prompt [p] is a trace "a<p>-<n>", pass-major
+    as the real one returns them."""
+    def sampled_answers(target, prompts, max_new_tokens, passes, temperature):
+        calls.append(([p[0] for p in prompts], max_new_tokens, passes, temperature))
+        return [RequestTrace(f"a{p[0]}-{n}", p, [9], [], "target", "none", temperature=temperature)
+                for n in range(passes) for p in prompts]
+    return sampled_answers
+
+
+def numbered(i: int, accepted: int) -> RequestTrace:
+    """served(), with prompt [i] and id "r<i>" (so its answers can be told apart)."""
+    return dataclasses.replace(served(f"r{i}", accepted), prompt_ids=[i])
+
+
+def test_after_a_shift_the_target_answers_the_next_prompts_again_up_to_shift_prompts(monkeypatch, caplog):
+    import online.trainer.round as round_mod
+
+    calls: list = []
+    monkeypatch.setattr(round_mod, "sampled_answers", answered_fake(calls))
+    cfg = TrainerConfig(shift_answers=2, shift_prompts=5, shift_temperature=0.8, catch_up_ratio=0.6)
+    traffic = [numbered(i, 2) for i in range(12)] + [numbered(i, 0) for i in range(12, 30)]  # 0.5, then 0 at 12
+    answers = round_mod.ShiftAnswers()
+
+    def ids(train) -> list[str]:
+        return [a.request_id for a in answers.for_round(train, cfg, "target")]
+
+    assert ids(traffic[:12]) == [] and calls == []  # no shift: nothing answered
+    with caplog.at_level("INFO", logger="online.trainer.round"):
+        got = ids(traffic[4:16])  # the newest quarter (3 of 12) at 0 against 0.5: a shift
+    assert calls == [([12, 13, 14, 15], 5, 2, 0.8)]  # every trace new since the last round, at most 5
+    assert got == ["a12-0", "a12-1", "a13-0", "a13-1", "a14-0", "a14-1", "a15-0", "a15-1"]
+    assert "a shift" in caplog.text and "answered 4 new prompts 2 more times" in caplog.text
+    # the next round answers its new traces until the shift's 5 prompts are used up, then no more
+    assert ids(traffic[8:20])[-2:] == ["a16-0", "a16-1"] and calls[-1][0] == [16]
+    assert ids(traffic[12:24]) == [f"a{i}-{n}" for i in range(12, 17) for n in (0, 1)]  # kept, none made
+    assert len(calls) == 2
+    # answers go with their traces: those that left the window are dropped
+    assert ids(traffic[14:26]) == ["a14-0", "a14-1", "a15-0", "a15-1", "a16-0", "a16-1"]
+    assert set(answers.answers) == {"r14", "r15", "r16"}
+    # off by default; a shift without a target cannot be answered (a warning, not an error)
+    assert round_mod.ShiftAnswers().for_round(traffic[4:16], TrainerConfig(), "target") == []
+    no_target = round_mod.ShiftAnswers()
+    with caplog.at_level("WARNING", logger="online.trainer.round"):
+        assert no_target.for_round(traffic[4:16], cfg, None) == [] and no_target.left == 0
+    assert "no target is loaded" in caplog.text and len(calls) == 2
+    for bad in (dict(shift_answers=-1), dict(shift_prompts=-1), dict(shift_answers=2, shift_temperature=0.0)):
+        with pytest.raises(TrainingError, match="shift_answers"):
+            check_config(TrainerConfig(**bad))
+
+
+def test_the_trainer_trains_on_the_answers_it_sampled_after_a_shift(tmp_path, monkeypatch):
+    import online.trainer.round as round_mod
+
+    calls: list = []
+    monkeypatch.setattr(round_mod, "sampled_answers", answered_fake(calls))
+    windows: list[TraceWindow] = []
+
+    class Store(FakeStore):
+        def training_window(self, limit, holdout, tag=None, mode="newest"):
+            return TraceWindow([numbered(i, 2) for i in range(9)] + [numbered(i, 0) for i in range(9, 12)],
+                               [served("h", 2)], start=1, end=self.n)
+
+    def round_fn(window, champion_dir, work, cfg, **kw):
+        windows.append(window)
+        return fake_result(False)
+
+    cfg = Config(data_dir=str(tmp_path), trainer=TrainerConfig(shift_answers=1))
+    target = SimpleNamespace(model=SimpleNamespace(device="cpu"), model_id="target")
+    svc = TrainerService(cfg, Store(50), FakeRegistry(tmp_path), target=target, round_fn=round_fn)
+    assert svc.run_round_once().ok
+    assert [a.request_id for a in windows[0].answers] == ["a9-0", "a10-0", "a11-0"]
+    assert len(windows[0].train) == 12 and windows[0].describe()["answer_traces"] == 3

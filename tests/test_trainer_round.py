@@ -62,6 +62,15 @@ def test_round_promotes_a_distilled_drafter(stories, promoted_round):
     assert load_model_drafter(res.candidate_dir, stories).version == res.candidate_version
 
 
+def test_a_round_trains_on_its_windows_sampled_answers_beside_its_traces(stories, stories_drafter_dir,
+                                                                        story_traffic, tmp_path):
+    window = split_window(story_traffic[:12], 0.25)
+    window.answers = story_traffic[12:20]  # as if the target had answered some prompts again (ShiftAnswers)
+    res = run_round(window, stories_drafter_dir, tmp_path, TrainerConfig(steps=1), target=stories)
+    assert res.training.traces == len(window.train) + 8
+    assert res.window["train_traces"] == len(window.train) and res.window["answer_traces"] == 8
+
+
 def test_round_refuses_a_candidate_that_does_not_clear_the_margin(stories, stories_drafter_dir, story_traffic,
                                                                   tmp_path):
     window = split_window(story_traffic[:12], 0.25)

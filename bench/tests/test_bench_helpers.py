@@ -196,7 +196,8 @@ def test_the_report_writes_every_segment_figure_to_json_and_dashes_what_a_segmen
     traffic = [Request([1], [2], 4, "length", tag=d) for d in ["stories"] * 24 + ["code"] * 24]
     frozen = served([2] * 24 + [0] * 24)
     online = served([2] * 24 + [0] * 3 + [2] * 21)
-    rounds = [{"after_request": n, "promoted": n == 32, "candidate_mal": 1.5, "champion_mal": 1.2} for n in (16, 32)]
+    rounds = [{"after_request": n, "promoted": n == 32, "candidate_mal": 1.5, "champion_mal": 1.2, "answers": a}
+              for n, a in ((16, 0), (32, 6))]
     args = SimpleNamespace(domains="stories,code", k=4)
     report(args, traffic, frozen, online, rounds, tmp_path / "run", {"traffic_s": 1.0})
     out = json.loads((tmp_path / "run.json").read_text())
@@ -213,6 +214,7 @@ def test_the_report_writes_every_segment_figure_to_json_and_dashes_what_a_segmen
     code_line = next(ln for ln in printed.splitlines() if ln.startswith("| code (25-48)"))
     assert "| 18 | 8 |" in code_line
     assert "Past references" not in printed  # none asked for
+    assert "rounds: 16: 1.5 vs 1.2; 32: 1.5 vs 1.2 promoted (+6 sampled answers)" in printed
 
 
 def test_a_served_version_is_timed_on_its_segments_last_requests():

@@ -73,6 +73,10 @@ def check_config(cfg: TrainerConfig) -> None:
     if cfg.catch_up_steps < 0 or not 0.0 < cfg.catch_up_ratio <= 1.0:
         raise TrainingError(f"[trainer] catch_up_steps must be >= 0 and catch_up_ratio in (0, 1], got "
                             f"{cfg.catch_up_steps} and {cfg.catch_up_ratio}")
+    if cfg.shift_answers < 0 or cfg.shift_prompts < 0 or (cfg.shift_answers and not cfg.shift_temperature > 0.0):
+        raise TrainingError(f"[trainer] shift_answers and shift_prompts must be >= 0, and shift_temperature > 0 "
+                            f"when shift_answers is not 0; got {cfg.shift_answers}, {cfg.shift_prompts} and "
+                            f"{cfg.shift_temperature}")
     if cfg.lineage not in LINEAGES:
         raise TrainingError(f"[trainer] lineage {cfg.lineage!r} is unknown: choose one of {list(LINEAGES)}")
     if cfg.lora and (cfg.lora_r < 1 or not cfg.lora_modules):

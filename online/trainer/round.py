@@ -25,6 +25,7 @@ from online.trainer.crossvocab import distill_crossvocab
 from online.trainer.distill import distill
 from online.trainer.eagle import distill_eagle
 from online.trainer.features import PassCache, TargetPass
+from online.trainer.warmstart import sampled_answers
 from online.trainer.windows import NotEnoughData, TraceWindow, split_window
 from runtime.adaptive import DraftLengthConfig
 from runtime.drafters.eagle import EagleConfig
@@ -137,9 +138,10 @@ def run_round(
             raise TrainingError(f"the champion {champion_dir} is an eagle head: its rounds need the target model "
                                 "(run the trainer where the target is loaded: `livedraft up`, or `livedraft daemon "
                                 "--target T`)")
-        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers, window.train + holdout, pass_cache)
-    log.info("round: %d training traces, %d held out; scoring champion %s", len(window.train), len(holdout),
-             champion_dir)
+        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers,
+                               window.train + window.answers + holdout, pass_cache)
+    log.info("round: %d training traces%s, %d held out; scoring champion %s", len(window.train),
+             f" and {len(window.answers)} sampled answers" if window.answers else "", len(holdout), champion_dir)
     champ = score_drafter(champion_dir, holdout, k=cfg.replay_k, target=target, passes=passes)
     champion_version = champion_version or champ.drafter
     candidate_version = candidate_version or f"cand-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -150,7 +152,8 @@ def run_round(
              kind.trainer, cfg.steps)
     train = TRAINERS[kind.trainer]
     device = device or training_device(target)
-    training = train(parent_dir, window.train, out, cfg, target, passes, candidate_version, provenance, device)
+    training = train(parent_dir, window.train + window.answers, out, cfg, target, passes, candidate_version,
+                     provenance, device)
     cand = score_drafter(out, holdout, k=cfg.replay_k, target=target, passes=passes)
     promoted, reason = decide(cand, champ, cfg.promote_margin)
     log.info("round: %s", reason)
@@ -220,21 +223,74 @@ def served_acceptance(traces: Sequence[RequestTrace]) -> float | None:
     return sum(c.accepted for c in totals) / drafted if drafted else None
 
 
-def catch_up(train: Sequence[RequestTrace], last_promoted: bool, cfg: TrainerConfig) -> str | None:
-    """Why this round should train `cfg.catch_up_steps` steps instead of `cfg.steps` (None: it should
-    not): the drafter is behind its traffic when the last round's candidate won the gate (training is
-    paying), or when the newest quarter of the round's training traces (oldest first) was served at
-    under `cfg.catch_up_ratio` of the acceptance rate of the older ones (the traffic shifted)."""
-    if cfg.catch_up_steps <= cfg.steps:
-        return None
-    if last_promoted:
-        return "the last round's candidate was promoted"
+def shifted(train: Sequence[RequestTrace], cfg: TrainerConfig) -> str | None:
+    """Why the traffic shifted under the drafter (None: it did not): the newest quarter of a round's
+    training traces (oldest first) was served at under `cfg.catch_up_ratio` of the acceptance rate
+    of the older ones."""
     n = max(1, len(train) // 4)
     new, old = served_acceptance(train[-n:]), served_acceptance(train[:-n])
     if new is not None and old and new < cfg.catch_up_ratio * old:
         return (f"a shift: the newest {n} traces were served at acceptance rate {new:.3f}, the {len(train) - n} "
                 f"before them at {old:.3f}")
     return None
+
+
+def catch_up(train: Sequence[RequestTrace], last_promoted: bool, cfg: TrainerConfig) -> str | None:
+    """Why this round should train `cfg.catch_up_steps` steps instead of `cfg.steps` (None: it should
+    not): the drafter is behind its traffic when the last round's candidate won the gate (training is
+    paying), or when the traffic `shifted`."""
+    if cfg.catch_up_steps <= cfg.steps:
+        return None
+    if last_promoted:
+        return "the last round's candidate was promoted"
+    return shifted(train, cfg)
+
+
+class ShiftAnswers:
+    """`trainer.shift_answers`: from a shift on, the target answers the prompts of the traffic that
+    arrives next, up to `shift_prompts` of them (the newest quarter of the round that saw the shift,
+    then each later round's new traces), `shift_answers` more times each, sampled at
+    `shift_temperature`; every round trains on those answers beside their traces while the traces
+    stay in its window. A shift is where served data is scarcest for what serves next: with two
+    answers sampled again to each of the 96 prompts after a shift, a head trained offline matched the
+    cross-fitted reference on the next 32 requests, where served data alone gave 0.82 of it
+    (docs/benchmarks.md, "Online adaptation").
+    The cost is bounded: shift_prompts * shift_answers answers per shift. The answers live in memory:
+    a restarted daemon has none, and the next shift makes them again."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[RequestTrace]] = {}  # request id of a served trace -> its answers
+        self.left = 0  # prompts still to answer since the last shift
+        self.newest: str | None = None  # request id of the newest trace a round has looked at
+
+    def for_round(self, train: Sequence[RequestTrace], cfg: TrainerConfig, target: LoadedModel | None
+                  ) -> list[RequestTrace]:
+        """The answers a round trains on beside `train` (its traces oldest first), after answering the
+        prompts of its new traces while a shift's prompts are left; those of traces that left go."""
+        ids = [t.request_id for t in train]
+        in_window = set(ids)
+        self.answers = {k: v for k, v in self.answers.items() if k in in_window}
+        # traces up to the last round's newest are not new; without a last round none is
+        seen = ids.index(self.newest) + 1 if self.newest in ids else 0 if self.newest else len(ids)
+        why = shifted(train, cfg) if cfg.shift_answers else None
+        if why and not self.left:
+            self.left, seen = cfg.shift_prompts, min(seen, len(train) - max(1, len(train) // 4))
+        new = list(train[seen:])[: self.left]
+        self.newest = ids[-1] if ids else self.newest
+        if new and target is None:
+            log.warning("trainer: no target is loaded to answer the new traffic's prompts again (shift_answers)")
+            self.left = 0
+        elif new:
+            t0 = time.perf_counter()
+            answers = sampled_answers(target, [t.prompt_ids for t in new], max(len(t.output_ids) for t in new) or 1,
+                                      cfg.shift_answers, cfg.shift_temperature)
+            for i, t in enumerate(new):
+                self.answers[t.request_id] = answers[i :: len(new)]
+            self.left -= len(new)
+            log.info("trainer: %sthe target answered %d new prompts %d more times at temperature %g in %.1fs "
+                     "(%d of the shift's left)", f"{why}; " if why else "", len(new), cfg.shift_answers,
+                     cfg.shift_temperature, time.perf_counter() - t0, self.left)
+        return [a for t in train for a in self.answers.get(t.request_id, ())]
 
 
 def trains_on(candidate: ReplayMetrics, champion: ReplayMetrics, margin: float) -> bool:

@@ -31,7 +31,15 @@ from online.config import Config, ConfigError
 from online.registry import DrafterRegistry, LocalDrafter
 from online.trainer.common import NotEnoughData
 from online.trainer.features import PassCache
-from online.trainer.round import RoundResult, TraceWindow, catch_up, run_round, training_device, trains_on
+from online.trainer.round import (
+    RoundResult,
+    ShiftAnswers,
+    TraceWindow,
+    catch_up,
+    run_round,
+    training_device,
+    trains_on,
+)
 from online.trainer.windows import HOLDOUTS
 from runtime.errors import LivedraftError
 from runtime.loader import OPTIMIZER_STATE, LoadedModel
@@ -114,6 +122,7 @@ class TrainerService:
         self.stats = ServiceStats()
         # the target's passes over the last round's traces, for the next round's overlapping window
         self.passes = PassCache(cfg.trainer.feature_cache_mb << 20)
+        self.shift_answers = ShiftAnswers()  # trainer.shift_answers: the target's answers again after a shift
         self.work_dir = Path(cfg.daemon.work_dir or cfg.data_path / "trainer").expanduser()
         self._round_lock = threading.Lock()
         self._stopping = threading.Event()  # set when a drain times out: abandon at the safe point
@@ -161,6 +170,7 @@ class TrainerService:
                 log.info("trainer: a catch-up round of %d steps (instead of %d): %s", cfg.catch_up_steps, cfg.steps,
                          why)
                 cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps)
+            window.answers = self.shift_answers.for_round(window.train, cfg, self.target)
             try:
                 result = self.round_fn(window, champion.path, work, cfg,
                                        champion_version=str(champion.version), target=self.target,

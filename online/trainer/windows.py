@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtime.errors import LivedraftError
@@ -31,6 +31,9 @@ class TraceWindow:
     end: int | None = None
     # request ids of the window's oldest and newest trace, where train and holdout interleave ("stable")
     edges: tuple[str, str] | None = None
+    # not from the log: the target's answers sampled again to some of train's prompts, trained on beside train
+    # (trainer.shift_answers: online.trainer.round.ShiftAnswers)
+    answers: list[RequestTrace] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         """Provenance for drafter metadata and registry tags (JSON-serialisable)."""
@@ -39,7 +42,7 @@ class TraceWindow:
                                      everything[-1].request_id if everything else None)
         return {
             "start": self.start, "end": self.end,
-            "train_traces": len(self.train), "holdout_traces": len(self.holdout),
+            "train_traces": len(self.train), "holdout_traces": len(self.holdout), "answer_traces": len(self.answers),
             "first_request_id": first, "last_request_id": last,
             "first_created_at": min((t.created_at for t in everything), default=None),
             "last_finished_at": max((t.finished_at for t in everything), default=None),
