@@ -246,7 +246,7 @@ def main() -> None:
 
     if bad := [x for x in args.past_data if x not in PAST_DATA]:
         ap.error(f"--past-data: unknown {', '.join(bad)} (choose from {', '.join(PAST_DATA)})")
-    if args.shift_answers < 0 or args.shift_prompts < 0 or not args.shift_temperature > 0:
+    if args.shift_answers < 0 or args.shift_prompts < 0 or (args.shift_answers and not args.shift_temperature > 0):
         ap.error(f"--shift-answers and --shift-prompts must be >= 0 and --shift-temperature > 0, got "
                  f"{args.shift_answers}, {args.shift_prompts} and {args.shift_temperature}")
     args.out = args.out or ("bench/results/adaptation-eagle" if args.kind == "eagle" else "bench/results/adaptation")

@@ -118,8 +118,9 @@ class TrainerConfig:
     # from a shift on (as above, whatever catch_up_steps is), the target answers the prompts of the next
     # shift_prompts requests (the newest quarter's at the shift, then each round's new ones) shift_answers more
     # times each, sampled at shift_temperature, and rounds train on those answers beside their traces while the
-    # traces stay in the window: data for the new traffic without a user request more (0 = off;
-    # online.trainer.round.ShiftAnswers)
+    # traces stay in the window: data for the new traffic without a user request more; a shift counts again once
+    # the traces from before it have left the window. For eagle heads (the answers carry no soft labels: a model
+    # drafter learns only their tokens). 0 = off; online.trainer.round.ShiftAnswers
     shift_answers: int = 0
     shift_prompts: int = 96  # prompts answered again per shift (at most shift_prompts * shift_answers answers)
     shift_temperature: float = 0.8  # the temperature those answers are sampled at

@@ -398,25 +398,26 @@ def test_after_a_shift_the_target_answers_the_next_prompts_again_up_to_shift_pro
     cfg = TrainerConfig(shift_answers=2, shift_prompts=5, shift_temperature=0.8, catch_up_ratio=0.6)
     traffic = [numbered(i, 2) for i in range(12)] + [numbered(i, 0) for i in range(12, 30)]  # 0.5, then 0 at 12
     answers = round_mod.ShiftAnswers()
+    target = SimpleNamespace(max_context=64)
 
     def ids(train) -> list[str]:
-        return [a.request_id for a in answers.for_round(train, cfg, "target")]
+        return [a.request_id for a in answers.for_round(train, cfg, target)]
 
     assert ids(traffic[:12]) == [] and calls == []  # no shift: nothing answered
     with caplog.at_level("INFO", logger="online.trainer.round"):
         got = ids(traffic[4:16])  # the newest quarter (3 of 12) at 0 against 0.5: a shift
-    assert calls == [([12, 13, 14, 15], 5, 2, 0.8)]  # every trace new since the last round, at most 5
-    assert got == ["a12-0", "a12-1", "a13-0", "a13-1", "a14-0", "a14-1", "a15-0", "a15-1"]
-    assert "a shift" in caplog.text and "answered 4 new prompts 2 more times" in caplog.text
+    assert calls == [([13, 14, 15], 5, 2, 0.8)]  # the quarter that showed it, each answer as long as the longest
+    assert got == ["a13-0", "a13-1", "a14-0", "a14-1", "a15-0", "a15-1"]
+    assert "a shift" in caplog.text and "answered 3 new prompts 2 more times" in caplog.text
     # the next round answers its new traces until the shift's 5 prompts are used up, then no more
-    assert ids(traffic[8:20])[-2:] == ["a16-0", "a16-1"] and calls[-1][0] == [16]
-    assert ids(traffic[12:24]) == [f"a{i}-{n}" for i in range(12, 17) for n in (0, 1)]  # kept, none made
+    assert ids(traffic[8:20])[-4:] == ["a16-0", "a16-1", "a17-0", "a17-1"] and calls[-1][0] == [16, 17]
+    assert ids(traffic[12:24]) == [f"a{i}-{n}" for i in range(13, 18) for n in (0, 1)]  # kept, none made
     assert len(calls) == 2
     # answers go with their traces: those that left the window are dropped
-    assert ids(traffic[14:26]) == ["a14-0", "a14-1", "a15-0", "a15-1", "a16-0", "a16-1"]
-    assert set(answers.answers) == {"r14", "r15", "r16"}
+    assert ids(traffic[15:27]) == ["a15-0", "a15-1", "a16-0", "a16-1", "a17-0", "a17-1"]
+    assert set(answers.answers) == {"r15", "r16", "r17"}
     # off by default; a shift without a target cannot be answered (a warning, not an error)
-    assert round_mod.ShiftAnswers().for_round(traffic[4:16], TrainerConfig(), "target") == []
+    assert round_mod.ShiftAnswers().for_round(traffic[4:16], TrainerConfig(), target) == []
     no_target = round_mod.ShiftAnswers()
     with caplog.at_level("WARNING", logger="online.trainer.round"):
         assert no_target.for_round(traffic[4:16], cfg, None) == [] and no_target.left == 0
@@ -424,6 +425,47 @@ def test_after_a_shift_the_target_answers_the_next_prompts_again_up_to_shift_pro
     for bad in (dict(shift_answers=-1), dict(shift_prompts=-1), dict(shift_answers=2, shift_temperature=0.0)):
         with pytest.raises(TrainingError, match="shift_answers"):
             check_config(TrainerConfig(**bad))
+
+
+def test_a_shift_answers_only_its_newest_prompts_and_counts_once_until_the_old_traffic_has_left(monkeypatch):
+    import online.trainer.round as round_mod
+
+    calls: list = []
+    monkeypatch.setattr(round_mod, "sampled_answers", answered_fake(calls))
+    cfg = TrainerConfig(shift_answers=1, shift_prompts=2, catch_up_ratio=0.6)
+    target = SimpleNamespace(max_context=64)
+    answers = round_mod.ShiftAnswers()
+    # a quarter of 4 larger than shift_prompts: its 2 newest, not its oldest (which may predate the shift)
+    answers.for_round([numbered(i, 2) for i in range(12)] + [numbered(i, 0) for i in range(12, 16)], cfg, target)
+    assert calls[-1][0] == [14, 15] and answers.left == 0
+    # the budget spent, the shift still shows while the old traffic is in the window: no new budget
+    answers.for_round([numbered(i, 2) for i in range(4, 12)] + [numbered(i, 0) for i in range(12, 20)], cfg, target)
+    assert len(calls) == 1
+    # once the traces from before the shift have left, a new shift counts
+    later = [numbered(i, 0) for i in range(12, 24)] + [numbered(i, 2) for i in range(24, 36)]  # 0 then 0.5 ...
+    answers.for_round(later + [numbered(i, 0) for i in range(36, 44)], cfg, target)  # ... then 0 again
+    assert calls[-1][0] == [42, 43]
+
+
+def test_answers_that_cannot_be_made_leave_the_round_to_train_without_them(monkeypatch, caplog):
+    import online.trainer.round as round_mod
+
+    calls: list = []
+    cfg = TrainerConfig(shift_answers=1, shift_prompts=8)
+    train = [numbered(i, 2) for i in range(9)] + [numbered(i, 0) for i in range(9, 12)]
+    monkeypatch.setattr(round_mod, "sampled_answers", answered_fake(calls))
+    long_prompt = dataclasses.replace(train[-1], prompt_ids=[11] * 60)  # 60 + 5 more tokens > a context of 64
+    with caplog.at_level("INFO", logger="online.trainer.round"):
+        got = round_mod.ShiftAnswers().for_round(train[:-1] + [long_prompt], cfg, SimpleNamespace(max_context=64))
+    assert calls == [([9, 10], 5, 1, 0.8)] and len(got) == 2 and "1 too long for 5 more tokens" in caplog.text
+
+    def failing(*a, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(round_mod, "sampled_answers", failing)
+    with caplog.at_level("WARNING", logger="online.trainer.round"):
+        assert round_mod.ShiftAnswers().for_round(train, cfg, SimpleNamespace(max_context=64)) == []
+    assert "failed (RuntimeError: out of memory); the round trains without them" in caplog.text
 
 
 def test_the_trainer_trains_on_the_answers_it_sampled_after_a_shift(tmp_path, monkeypatch):
@@ -443,7 +485,7 @@ def test_the_trainer_trains_on_the_answers_it_sampled_after_a_shift(tmp_path, mo
         return fake_result(False)
 
     cfg = Config(data_dir=str(tmp_path), trainer=TrainerConfig(shift_answers=1))
-    target = SimpleNamespace(model=SimpleNamespace(device="cpu"), model_id="target")
+    target = SimpleNamespace(model=SimpleNamespace(device="cpu"), model_id="target", max_context=64)
     svc = TrainerService(cfg, Store(50), FakeRegistry(tmp_path), target=target, round_fn=round_fn)
     assert svc.run_round_once().ok
     assert [a.request_id for a in windows[0].answers] == ["a9-0", "a10-0", "a11-0"]

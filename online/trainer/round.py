@@ -138,8 +138,8 @@ def run_round(
             raise TrainingError(f"the champion {champion_dir} is an eagle head: its rounds need the target model "
                                 "(run the trainer where the target is loaded: `livedraft up`, or `livedraft daemon "
                                 "--target T`)")
-        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers,
-                               window.train + window.answers + holdout, pass_cache)
+        passes = target_passes(target, EagleConfig.read(champion_dir).aux_layers,  # the cache keeps the last first
+                               window.answers + window.train + holdout, pass_cache)
     log.info("round: %d training traces%s, %d held out; scoring champion %s", len(window.train),
              f" and {len(window.answers)} sampled answers" if window.answers else "", len(holdout), champion_dir)
     champ = score_drafter(champion_dir, holdout, k=cfg.replay_k, target=target, passes=passes)
@@ -248,49 +248,66 @@ def catch_up(train: Sequence[RequestTrace], last_promoted: bool, cfg: TrainerCon
 
 class ShiftAnswers:
     """`trainer.shift_answers`: from a shift on, the target answers the prompts of the traffic that
-    arrives next, up to `shift_prompts` of them (the newest quarter of the round that saw the shift,
+    arrives next, up to `shift_prompts` of them (the newest of the quarter that showed the shift,
     then each later round's new traces), `shift_answers` more times each, sampled at
     `shift_temperature`; every round trains on those answers beside their traces while the traces
     stay in its window. A shift is where served data is scarcest for what serves next: with two
     answers sampled again to each of the 96 prompts after a shift, a head trained offline matched the
     cross-fitted reference on the next 32 requests, where served data alone gave 0.82 of it
-    (docs/benchmarks.md, "Online adaptation").
-    The cost is bounded: shift_prompts * shift_answers answers per shift. The answers live in memory:
-    a restarted daemon has none, and the next shift makes them again."""
+    (docs/benchmarks.md, "Online adaptation"). The cost is bounded: a shift is not counted again
+    until the traces from before it have left the window, so at most shift_prompts * shift_answers
+    answers per shift, each as long as the longest served answer it follows. The answers live in
+    memory: a restarted daemon has none, and the next shift makes them again."""
 
     def __init__(self) -> None:
         self.answers: dict[str, list[RequestTrace]] = {}  # request id of a served trace -> its answers
         self.left = 0  # prompts still to answer since the last shift
         self.newest: str | None = None  # request id of the newest trace a round has looked at
+        self.before: str | None = None  # the newest trace before the last shift: no new shift while it is in
 
     def for_round(self, train: Sequence[RequestTrace], cfg: TrainerConfig, target: LoadedModel | None
                   ) -> list[RequestTrace]:
         """The answers a round trains on beside `train` (its traces oldest first), after answering the
-        prompts of its new traces while a shift's prompts are left; those of traces that left go."""
+        prompts of its new traces while a shift's prompts are left; those of traces that left go.
+        Never raises: answers that cannot be made are logged and not made."""
         ids = [t.request_id for t in train]
         in_window = set(ids)
         self.answers = {k: v for k, v in self.answers.items() if k in in_window}
         # traces up to the last round's newest are not new; without a last round none is
         seen = ids.index(self.newest) + 1 if self.newest in ids else 0 if self.newest else len(ids)
-        why = shifted(train, cfg) if cfg.shift_answers else None
+        why = shifted(train, cfg) if cfg.shift_answers and self.before not in in_window else None
         if why and not self.left:
-            self.left, seen = cfg.shift_prompts, min(seen, len(train) - max(1, len(train) // 4))
-        new = list(train[seen:])[: self.left]
+            quarter = max(1, len(train) // 4)
+            self.left, seen = cfg.shift_prompts, len(train) - min(cfg.shift_prompts, quarter)
+            self.before = ids[-quarter - 1] if len(ids) > quarter else None
+        new = [t for t in train[seen:] if t.request_id not in self.answers][: self.left]
         self.newest = ids[-1] if ids else self.newest
         if new and target is None:
             log.warning("trainer: no target is loaded to answer the new traffic's prompts again (shift_answers)")
             self.left = 0
         elif new:
-            t0 = time.perf_counter()
-            answers = sampled_answers(target, [t.prompt_ids for t in new], max(len(t.output_ids) for t in new) or 1,
-                                      cfg.shift_answers, cfg.shift_temperature)
-            for i, t in enumerate(new):
-                self.answers[t.request_id] = answers[i :: len(new)]
-            self.left -= len(new)
-            log.info("trainer: %sthe target answered %d new prompts %d more times at temperature %g in %.1fs "
-                     "(%d of the shift's left)", f"{why}; " if why else "", len(new), cfg.shift_answers,
-                     cfg.shift_temperature, time.perf_counter() - t0, self.left)
+            self._answer(new, cfg, target, why)
         return [a for t in train for a in self.answers.get(t.request_id, ())]
+
+    def _answer(self, new: list[RequestTrace], cfg: TrainerConfig, target: LoadedModel, why: str | None) -> None:
+        t0 = time.perf_counter()
+        n_tokens = max(len(t.output_ids) for t in new) or 1
+        fits = [t for t in new if len(t.prompt_ids) + n_tokens <= target.max_context]
+        self.left -= len(new)
+        try:
+            answers = sampled_answers(target, [t.prompt_ids for t in fits], n_tokens, cfg.shift_answers,
+                                      cfg.shift_temperature) if fits else []
+        except Exception as e:  # a round must not fail for data it could do without
+            log.warning("trainer: answering %d prompts again failed (%s: %s); the round trains without them",
+                        len(fits), type(e).__name__, e)
+            return
+        for i, t in enumerate(fits):
+            self.answers[t.request_id] = answers[i :: len(fits)]
+        log.info("trainer: %sthe target answered %d new prompts %d more times at temperature %g in %.1fs "
+                 "(%d of the shift's left%s)", f"{why}; " if why else "", len(fits), cfg.shift_answers,
+                 cfg.shift_temperature, time.perf_counter() - t0, self.left,
+                 f"; {len(new) - len(fits)} too long for {n_tokens} more tokens in the context" if len(fits) < len(new)
+                 else "")
 
 
 def trains_on(candidate: ReplayMetrics, champion: ReplayMetrics, margin: float) -> bool:

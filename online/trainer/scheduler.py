@@ -171,6 +171,8 @@ class TrainerService:
                          why)
                 cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps)
             window.answers = self.shift_answers.for_round(window.train, cfg, self.target)
+            if self._stopping.is_set():
+                return done("stopped", "shutting down before training")
             try:
                 result = self.round_fn(window, champion.path, work, cfg,
                                        champion_version=str(champion.version), target=self.target,
