@@ -155,7 +155,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     init_dir = Path(args.drafter) if args.drafter else initial_head(args, target, out.parent)
     logged = [as_trace(i, r) for i, r in enumerate(traffic)]
     t0 = time.perf_counter()
-    passes = target_passes(target, EagleConfig.read(init_dir).aux_layers, logged)
+    aux_layers = EagleConfig.read(init_dir).aux_layers
+    passes = target_passes(target, aux_layers, logged)
     log.info("target features for %d requests in %.0fs", len(logged), time.perf_counter() - t0)
 
     def replay(path: Path, traces: list[RequestTrace], version: str) -> ReplayReport:
@@ -197,8 +198,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         why = catch_up(train, promoted, cfg)
         round_cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps) if why else cfg
         trained = train + answers.for_round(train, cfg, target)
-        passes.update(target_passes(target, EagleConfig.read(init_dir).aux_layers,
-                                    [t for t in trained if t.request_id not in passes]))
+        passes.update(target_passes(target, aux_layers, [t for t in trained if t.request_id not in passes]))
         res = distill_eagle(parent_dir, trained, work / cand_version, round_cfg, target, passes=passes,
                             version=cand_version)
         run.total_steps += res.steps

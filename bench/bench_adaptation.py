@@ -77,6 +77,7 @@ from bench.traffic import (
     written_pool,
 )
 from online.config import LINEAGES, TrainerConfig
+from online.trainer.common import TrainingError, check_config
 from online.trainer.distill import distill
 from online.trainer.round import ReplayMetrics, decide
 from runtime.adaptive import DraftLengthConfig
@@ -246,9 +247,11 @@ def main() -> None:
 
     if bad := [x for x in args.past_data if x not in PAST_DATA]:
         ap.error(f"--past-data: unknown {', '.join(bad)} (choose from {', '.join(PAST_DATA)})")
-    if args.shift_answers < 0 or args.shift_prompts < 0 or (args.shift_answers and not args.shift_temperature > 0):
-        ap.error(f"--shift-answers and --shift-prompts must be >= 0 and --shift-temperature > 0, got "
-                 f"{args.shift_answers}, {args.shift_prompts} and {args.shift_temperature}")
+    try:  # the daemon's own check of these keys, at parse time
+        check_config(TrainerConfig(shift_answers=args.shift_answers, shift_prompts=args.shift_prompts,
+                                   shift_temperature=args.shift_temperature))
+    except TrainingError as e:
+        ap.error(f"--shift-answers, --shift-prompts, --shift-temperature: {e}")
     args.out = args.out or ("bench/results/adaptation-eagle" if args.kind == "eagle" else "bench/results/adaptation")
     for key, model, eagle in (("steps", 14, 16), ("batch_size", 4, 8), ("lr", 1e-3, 5e-4)):
         if getattr(args, key) is None:

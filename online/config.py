@@ -116,7 +116,7 @@ class TrainerConfig:
     catch_up_steps: int = 0
     catch_up_ratio: float = 0.6  # the served acceptance ratio, newest quarter to the rest, that means a shift
     # from a shift on (as above, whatever catch_up_steps is), the target answers the prompts of the next
-    # shift_prompts requests (the newest quarter's at the shift, then each round's new ones) shift_answers more
+    # shift_prompts requests (the newest of the quarter that showed it, then each round's new ones) shift_answers more
     # times each, sampled at shift_temperature, and rounds train on those answers beside their traces while the
     # traces stay in the window: data for the new traffic without a user request more; a shift counts again once
     # the traces from before it have left the window. For eagle heads (the answers carry no soft labels: a model
