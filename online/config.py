@@ -113,9 +113,9 @@ class TrainerConfig:
     # catch-up rounds: a round trains catch_up_steps instead of steps (0 = never) when the drafter is behind its
     # traffic: the last round's candidate was promoted, or the newest quarter of the window was served at under
     # catch_up_ratio of the acceptance rate of the window's older traces (a shift; online.trainer.round.catch_up).
-    # 64 with shift_answers 2 recovered from the second traffic's shift in 98 requests, either alone in over 140,
-    # at 2x the rounds' training time (docs/benchmarks.md, "Online adaptation"); off by default, for a CPU the
-    # trainer shares with serving
+    # 64 with shift_answers 2 recovered from the second traffic's shift in 98 requests (either alone in over 140)
+    # and from the first's in 69 (the defaults 94), at 2.2x the rounds' training steps (docs/benchmarks.md,
+    # "Online adaptation"); off by default, for a CPU the trainer shares with serving
     catch_up_steps: int = 0
     catch_up_ratio: float = 0.6  # the served acceptance ratio, newest quarter to the rest, that means a shift
     # from a shift on (as above, whatever catch_up_steps is), the target answers the prompts of the next
