@@ -19,7 +19,7 @@ from bench.traffic import Request, chat_ids, prompt_pool, segments, served_tail
 from online.config import LINEAGES, TrainerConfig
 from online.replay.engine import ReplayReport, replay_traces
 from online.trainer.eagle import distill_eagle
-from online.trainer.round import ReplayMetrics, ShiftAnswers, catch_up, decide, target_passes, trains_on
+from online.trainer.round import ReplayMetrics, ShiftAnswers, catch_up, decide, shifted, target_passes, trains_on
 from online.trainer.warmstart import answer_prompts, sampled_answers, warm_start
 from online.trainer.windows import held_for_life
 from runtime.adaptive import DraftLengthConfig
@@ -148,6 +148,31 @@ class EagleRun:
     timed_versions: dict[str, Path] = field(default_factory=dict)  # domain -> the version to time (served_tail)
 
 
+def round_window(served: list[RequestTrace], since: int, window: int, window_max: int,
+                 hold_out: Callable[[list[RequestTrace]], set[int]], cfg: TrainerConfig,
+                 ) -> tuple[list[RequestTrace], list[RequestTrace], int]:
+    """What a round reads: (`base_train`, the round's window, the new `since`). `base` is the newest
+    `window` served traces and `base_train` those of them `hold_out` leaves: what the shift, catch-up
+    and shift-answer rules read, whatever the round trains on. With `window_max` (0: off, the window
+    is `base`) the window is every trace from `since`, the first one after the last shift, at least
+    `base` and at most the newest `window_max`: a steady stream trains on more of itself, and after a
+    shift the traces of before drop out as soon as there are `window` after it. A shift
+    (online.trainer.round.shifted) moves `since` to the first of the newest quarter of `base_train`
+    that showed it, unless the last shift is still within `base` (the same shift, seen again while
+    the older traces it is measured against are still there)."""
+    first = len(served) - min(window, len(served))
+    base = served[first:]
+    held = hold_out(base)
+    train_at = [first + i for i in range(len(base)) if i not in held]
+    base_train = [served[i] for i in train_at]
+    if not window_max:
+        return base_train, base, since
+    if since < first and shifted(base_train, cfg):
+        since = train_at[-max(1, len(train_at) // 4)]  # shifted's newest quarter
+    start = min(max(since, len(served) - window_max), first)
+    return base_train, served[start:], since
+
+
 def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> EagleRun:
     """Frozen and online-adapted head over the stream. With `args.serve_prompts` (n), the version serving
     each segment's n-th last request is copied to `<out>_served/<domain>`, to be timed on the segment's
@@ -178,6 +203,12 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
     # the first request a segment's served version is timed on -> its domain
     tails = served_tail(segments(traffic, args.domains.split(",")), args.serve_prompts) if args.serve_prompts else {}
     timed_from = {s: d for d, (s, _) in tails.items()}
+    since = 0  # --window-max: index in `served` of the first trace after the last shift a round saw
+
+    def hold_out(window: list[RequestTrace]) -> set[int]:
+        return held_out(len(window), max(1, round(len(window) * args.holdout)), args.holdout_mode,
+                        [t.request_id for t in window])
+
     for r0 in range(0, len(logged), args.every):
         block = replay(champion_dir, logged[r0 : r0 + args.every], version).traces
         served += block
@@ -188,16 +219,15 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
             shutil.copytree(champion_dir, run.timed_versions[domain])
         if r0 + args.every >= len(logged):
             break
-        window = served[-args.window :]
-        held = held_out(len(window), max(1, round(len(window) * args.holdout)), args.holdout_mode,
-                        [t.request_id for t in window])
+        base_train, window, since = round_window(served, since, args.window, args.window_max, hold_out, cfg)
+        held = hold_out(window)
         train = [t for i, t in enumerate(window) if i not in held]
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()
         cand_version = f"round{len(run.rounds) + 1}"
-        why = catch_up(train, promoted, cfg)
+        why = catch_up(base_train, promoted, cfg)
         round_cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps) if why else cfg
-        trained = train + answers.for_round(train, cfg, target)
+        trained = train + answers.for_round(base_train, cfg, target)
         passes.update(target_passes(target, aux_layers, [t for t in trained if t.request_id not in passes]))
         res = distill_eagle(parent_dir, trained, work / cand_version, round_cfg, target, passes=passes,
                             version=cand_version)
@@ -210,6 +240,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         run.rounds.append({"after_request": r0 + len(block), "candidate": cand_version, "promoted": promoted,
                            "candidate_mal": round(c.mean_acceptance_length, 3),
                            "champion_mal": round(h.mean_acceptance_length, 3), "train_traces": len(train),
+                           "window": len(window),
                            "gain_se": round(paired_se(c_report.traces, h_report.traces), 4),
                            "holdout": len(hold), "steps": res.steps, "catch_up": why,
                            "answers": len(trained) - len(train),

@@ -184,6 +184,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--every", type=int, default=8, help="W: requests between training rounds")
     ap.add_argument("--window", type=int, default=32, help="newest served traces a round sees")
+    ap.add_argument("--window-max", type=int, default=0,
+                    help="eagle: a round's window grows past --window, up to this many of the newest traces, while "
+                         "no shift is seen in its newest --window (online.trainer.round.shifted); a shift cuts it "
+                         "back to --window (0: a fixed window of --window)")
     ap.add_argument("--holdout", type=float, default=0.25, help="newest share of the window held out for the gate")
     ap.add_argument("--holdout-mode", choices=("newest", "spread", "stable"), default="newest",
                     help="eagle: hold out the newest share of the window, the same share spread evenly over it, "
@@ -244,6 +248,10 @@ def main() -> None:
                                   "for --kind model)")
     args = ap.parse_args()
     from bench.adaptation_eagle import PAST_DATA
+
+    if args.window_max and (args.kind != "eagle" or args.window_max <= args.window):
+        ap.error(f"--window-max needs --kind eagle and a value over --window ({args.window}), "
+                 f"got {args.window_max} for --kind {args.kind}")
 
     if bad := [x for x in args.past_data if x not in PAST_DATA]:
         ap.error(f"--past-data: unknown {', '.join(bad)} (choose from {', '.join(PAST_DATA)})")
