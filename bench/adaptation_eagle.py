@@ -225,9 +225,10 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         hold = [logged[int(t.request_id[4:])] for i, t in enumerate(window) if i in held]
         t0 = time.perf_counter()
         cand_version = f"round{len(run.rounds) + 1}"
-        why = catch_up(base_train, promoted, cfg)
+        extra = answers.for_round(base_train, cfg, target)
+        why = catch_up(base_train, promoted, cfg, len(extra) if args.catch_up_answers else 0)
         round_cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps) if why else cfg
-        trained = train + answers.for_round(base_train, cfg, target)
+        trained = train + extra
         passes.update(target_passes(target, aux_layers, [t for t in trained if t.request_id not in passes]))
         res = distill_eagle(parent_dir, trained, work / cand_version, round_cfg, target, passes=passes,
                             version=cand_version)

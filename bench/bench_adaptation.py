@@ -212,6 +212,9 @@ def main() -> None:
     ap.add_argument("--catch-up-ratio", type=float, default=TrainerConfig.catch_up_ratio,
                     help="eagle: the served acceptance ratio, newest quarter of the window to the rest, "
                          "below which a round catches up (trainer.catch_up_ratio)")
+    ap.add_argument("--catch-up-answers", action=argparse.BooleanOptionalAction, default=False,
+                    help="eagle: every round that trains on answers sampled after a shift (--shift-answers) is a "
+                         "catch-up round too (off: only a round after a promotion or on a detected shift)")
     ap.add_argument("--shift-answers", type=int, default=TrainerConfig.shift_answers,
                     help="eagle: from a shift on, the target answers the next --shift-prompts prompts this many more "
                          "times and rounds train on those answers too (the daemon's trainer.shift_answers; 0: none)")
@@ -253,6 +256,8 @@ def main() -> None:
         ap.error(f"--window-max needs --kind eagle and a value over --window ({args.window}), "
                  f"got {args.window_max} for --kind {args.kind}")
 
+    if args.catch_up_answers and not (args.kind == "eagle" and args.shift_answers and args.catch_up_steps):
+        ap.error("--catch-up-answers needs --kind eagle, --shift-answers and --catch-up-steps")
     if bad := [x for x in args.past_data if x not in PAST_DATA]:
         ap.error(f"--past-data: unknown {', '.join(bad)} (choose from {', '.join(PAST_DATA)})")
     try:  # the daemon's own check of these keys, at parse time

@@ -343,6 +343,9 @@ def test_a_round_catches_up_after_a_promotion_or_a_shift_in_what_serving_accepte
     why = catch_up(shifted, False, cfg)
     assert why is not None and "newest 3 traces" in why and "0.250" in why and "0.500" in why
     assert catch_up(steady[:9] + [served(f"s{i}", 2, 5) for i in range(3)], False, cfg) is None  # 0.4 >= 0.3
+    # a round that trains on answers sampled after a shift catches up, steady traffic or not
+    assert catch_up(steady, False, cfg, answers=6) == "the round trains on 6 answers sampled again after a shift"
+    assert "promoted" in catch_up(steady, True, cfg, answers=6)
     # an engine's totals without per-step records (llama-server's) count as its steps would
     totals = [dataclasses.replace(t, steps=[], counts=DraftCounts(1, 4, 1)) for t in shifted[-3:]]
     assert catch_up(steady[:9] + totals, False, cfg) == why
@@ -350,7 +353,7 @@ def test_a_round_catches_up_after_a_promotion_or_a_shift_in_what_serving_accepte
     assert catch_up(steady[:9] + [served(f"s{i}", 0, 0) for i in range(3)], False, cfg) is None
     assert catch_up([served(f"s{i}", 0, 0) for i in range(9)] + shifted[-3:], False, cfg) is None
     for off in (TrainerConfig(steps=16), TrainerConfig(steps=16, catch_up_steps=16)):
-        assert catch_up(shifted, True, off) is None
+        assert catch_up(shifted, True, off, answers=6) is None
     with pytest.raises(TrainingError, match="catch_up_ratio"):
         check_config(TrainerConfig(catch_up_ratio=0.0))
 
