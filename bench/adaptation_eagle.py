@@ -192,8 +192,8 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
                         promote_margin=args.margin, replay_k=args.k, seed=args.seed, warmup_steps=2,
                         vocab_refresh=args.vocab_refresh, carry_optimizer=args.carry_optimizer,
                         catch_up_steps=args.catch_up_steps, catch_up_ratio=args.catch_up_ratio,
-                        shift_answers=args.shift_answers, shift_prompts=args.shift_prompts,
-                        shift_temperature=args.shift_temperature)
+                        catch_up_answers=args.catch_up_answers, shift_answers=args.shift_answers,
+                        shift_prompts=args.shift_prompts, shift_temperature=args.shift_temperature)
     answers = ShiftAnswers()  # what the daemon's trainer keeps across rounds
     champion_dir, version = init_dir, "initial"
     parent_dir = init_dir  # what a round trains from: the champion, or (--lineage trainee) the last candidate
@@ -226,7 +226,7 @@ def run_eagle(args, target, traffic: list[Request], out: Path, work: Path) -> Ea
         t0 = time.perf_counter()
         cand_version = f"round{len(run.rounds) + 1}"
         extra = answers.for_round(base_train, cfg, target)
-        why = catch_up(base_train, promoted, cfg, len(extra) if args.catch_up_answers else 0)
+        why = catch_up(base_train, promoted, cfg, len(extra))
         round_cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps) if why else cfg
         trained = train + extra
         passes.update(target_passes(target, aux_layers, [t for t in trained if t.request_id not in passes]))

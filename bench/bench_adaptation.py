@@ -212,9 +212,11 @@ def main() -> None:
     ap.add_argument("--catch-up-ratio", type=float, default=TrainerConfig.catch_up_ratio,
                     help="eagle: the served acceptance ratio, newest quarter of the window to the rest, "
                          "below which a round catches up (trainer.catch_up_ratio)")
-    ap.add_argument("--catch-up-answers", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--catch-up-answers", action=argparse.BooleanOptionalAction,
+                    default=TrainerConfig.catch_up_answers,
                     help="eagle: every round that trains on answers sampled after a shift (--shift-answers) is a "
-                         "catch-up round too (off: only a round after a promotion or on a detected shift)")
+                         "catch-up round too (the daemon's trainer.catch_up_answers; off: only a round after a "
+                         "promotion or on a detected shift)")
     ap.add_argument("--shift-answers", type=int, default=TrainerConfig.shift_answers,
                     help="eagle: from a shift on, the target answers the next --shift-prompts prompts this many more "
                          "times and rounds train on those answers too (the daemon's trainer.shift_answers; 0: none)")

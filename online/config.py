@@ -118,6 +118,9 @@ class TrainerConfig:
     # "Online adaptation"); off by default, for a CPU the trainer shares with serving
     catch_up_steps: int = 0
     catch_up_ratio: float = 0.6  # the served acceptance ratio, newest quarter to the rest, that means a shift
+    # true: a round that trains on answers sampled after a shift (shift_answers) is a catch-up round too, not only
+    # the round on the shift and those after a promotion (needs catch_up_steps and shift_answers to do anything)
+    catch_up_answers: bool = False
     # from a shift on (as above, whatever catch_up_steps is), the target answers the prompts of the next
     # shift_prompts requests (the newest of the quarter that showed it, then each round's new ones) shift_answers more
     # times each, sampled at shift_temperature, and rounds train on those answers beside their traces while the

@@ -343,9 +343,11 @@ def test_a_round_catches_up_after_a_promotion_or_a_shift_in_what_serving_accepte
     why = catch_up(shifted, False, cfg)
     assert why is not None and "newest 3 traces" in why and "0.250" in why and "0.500" in why
     assert catch_up(steady[:9] + [served(f"s{i}", 2, 5) for i in range(3)], False, cfg) is None  # 0.4 >= 0.3
-    # a round that trains on answers sampled after a shift catches up, steady traffic or not
-    assert catch_up(steady, False, cfg, answers=6) == "the round trains on 6 answers sampled again after a shift"
-    assert "promoted" in catch_up(steady, True, cfg, answers=6)
+    # with catch_up_answers, a round that trains on answers sampled after a shift catches up, steady traffic or not
+    assert catch_up(steady, False, cfg, answers=6) is None  # off by default
+    on = dataclasses.replace(cfg, catch_up_answers=True)
+    assert catch_up(steady, False, on, answers=6) == "the round trains on 6 answers sampled again after a shift"
+    assert "promoted" in catch_up(steady, True, on, answers=6) and catch_up(steady, False, on, answers=0) is None
     # an engine's totals without per-step records (llama-server's) count as its steps would
     totals = [dataclasses.replace(t, steps=[], counts=DraftCounts(1, 4, 1)) for t in shifted[-3:]]
     assert catch_up(steady[:9] + totals, False, cfg) == why
@@ -376,6 +378,31 @@ def test_the_trainer_trains_a_catch_up_round_after_a_promotion_and_logs_why(tmp_
             assert svc.run_round_once().ok
     assert steps == [16, 48, 16, 16]  # only the round after the promotion catches up
     assert "a catch-up round of 48 steps (instead of 16): the last round's candidate was promoted" in caplog.text
+
+
+def test_the_trainer_catches_up_on_a_round_that_trains_on_answers_only_with_catch_up_answers(tmp_path, caplog):
+    steps: list[int] = []
+
+    class Store(FakeStore):
+        def training_window(self, limit, holdout, tag=None, mode="newest"):
+            return TraceWindow([served(f"r{i}", 2) for i in range(8)], [served("h", 2)], start=1, end=self.n)
+
+    def round_fn(window, champion_dir, work, cfg, **kw):
+        steps.append(cfg.steps)
+        return fake_result(False)
+
+    for flag, want in ((True, [16, 48, 48, 16]), (False, [16, 16, 16, 16])):
+        steps.clear()
+        answered = iter([[], [served("a1", 2)], [served("a1", 2)], []])  # what ShiftAnswers gives rounds 1-4
+        cfg = Config(data_dir=str(tmp_path), trainer=TrainerConfig(steps=16, catch_up_steps=48, shift_answers=1,
+                                                                   catch_up_answers=flag))
+        svc = TrainerService(cfg, Store(50), FakeRegistry(tmp_path), round_fn=round_fn)
+        svc.shift_answers.for_round = lambda train, cfg, target, it=answered: next(it)
+        with caplog.at_level("INFO", logger="online.trainer.scheduler"):
+            for _ in range(4):
+                assert svc.run_round_once().ok
+        assert steps == want, flag
+    assert "a catch-up round of 48 steps (instead of 16): the round trains on 1 answers sampled again" in caplog.text
 
 
 def answered_fake(calls: list):

@@ -238,14 +238,14 @@ def shifted(train: Sequence[RequestTrace], cfg: TrainerConfig) -> str | None:
 def catch_up(train: Sequence[RequestTrace], last_promoted: bool, cfg: TrainerConfig, answers: int = 0) -> str | None:
     """Why this round should train `cfg.catch_up_steps` steps instead of `cfg.steps` (None: it should
     not): the drafter is behind its traffic when the last round's candidate won the gate (training is
-    paying), when the round trains on `answers` sampled after a shift (ShiftAnswers: up to
-    1 + shift_answers times the data of the new traffic, which 16-step rounds did not learn from),
-    or when the traffic `shifted`."""
+    paying), with `cfg.catch_up_answers` when the round trains on `answers` sampled after a shift
+    (ShiftAnswers: up to 1 + shift_answers times the data of the new traffic, which 16-step rounds
+    did not learn from), or when the traffic `shifted`."""
     if cfg.catch_up_steps <= cfg.steps:
         return None
     if last_promoted:
         return "the last round's candidate was promoted"
-    if answers:
+    if answers and cfg.catch_up_answers:
         return f"the round trains on {answers} answers sampled again after a shift"
     return shifted(train, cfg)
 

@@ -165,12 +165,12 @@ class TrainerService:
                 return done("stopped", "shutting down before training")
             work = self.work_dir / f"round-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
             cfg = self.cfg.trainer
-            why = catch_up(window.train, self._last_promoted, cfg)
+            window.answers = self.shift_answers.for_round(window.train, cfg, self.target)
+            why = catch_up(window.train, self._last_promoted, cfg, len(window.answers))
             if why:
                 log.info("trainer: a catch-up round of %d steps (instead of %d): %s", cfg.catch_up_steps, cfg.steps,
                          why)
                 cfg = dataclasses.replace(cfg, steps=cfg.catch_up_steps)
-            window.answers = self.shift_answers.for_round(window.train, cfg, self.target)
             if self._stopping.is_set():
                 return done("stopped", "shutting down before training")
             try:
