@@ -136,6 +136,8 @@ def main() -> None:
                "unlike": res.curve[-1].heldout_mean_acceptance_length,
                "unlike_first_token": res.curve[-1].heldout_first_token_acceptance,
                "bench8": replay_heldout(target, head_dir, data["bench"], args.k)["mean_acceptance_length"],
+               "bench8_per_prompt": [replay_heldout(target, head_dir, [t], args.k)["mean_acceptance_length"]
+                                     for t in data["bench"]],
                "pool_heldout": replay_heldout(target, head_dir, data["heldout"], args.k)["mean_acceptance_length"],
                "unlike_curve": [(p.step, p.heldout_mean_acceptance_length) for p in res.curve]}
         rows.append(row)
@@ -152,6 +154,13 @@ def main() -> None:
     for r in rows:
         print(f"| {r['set']} | {r['prompts']} | {r['traces']} | {r['tokens']} | {r['steps']} | {r['unlike']:.3f} | "
               f"{r['unlike_first_token']:.3f} | {r['bench8']:.3f} | {r['pool_heldout']:.3f} |")
+    print(f"\nMAL on each of the engine bench's {len(PROMPTS)} prompts (its answer's tokens):\n")
+    print("| prompt | tokens | " + " | ".join(r["set"] for r in rows) + " |")
+    print("|---|---|" + "---|" * len(rows))
+    for i, (prompt, t) in enumerate(zip(PROMPTS, data["bench"], strict=True)):
+        short = prompt.splitlines()[0][:48]
+        cells = " | ".join(f"{r['bench8_per_prompt'][i]:.3f}" for r in rows)
+        print(f"| {short} | {len(t.output_ids)} | {cells} |")
 
 
 def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = False) -> dict[str, list[RequestTrace]]:
