@@ -20,30 +20,16 @@ No model runs beyond loading the target's tokenizer facts; seconds on a data fil
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from online.stream.events import trace_from_json
+from bench.eagle_data_scaling import read_data
 from online.trainer.eagle import choose_draft_vocab
 from runtime.loader import load_model
 from runtime.trace import RequestTrace
 
 HELD_OUT = {"unlike": "unlike prompts", "bench": "engine bench's prompts", "heldout": "held-out pool"}
-
-
-def read_data(path: Path) -> dict[str, list[RequestTrace]]:
-    """The traces of an eagle_data_scaling data file, by tag."""
-    if not path.is_file():
-        raise SystemExit(f"--data {path}: no such file (make one with bench.eagle_data_scaling --data-only)")
-    by_tag: dict[str, list[RequestTrace]] = {}
-    with gzip.open(path, "rt") as f:
-        json.loads(f.readline())  # the data key
-        for line in f:
-            t = trace_from_json(line)
-            by_tag.setdefault(t.tag or "", []).append(t)
-    return by_tag
 
 
 def oracle_steps(output: Sequence[int], vocab: set[int] | None, k: int, *, stopped: bool = False,
@@ -66,16 +52,23 @@ def oracle_steps(output: Sequence[int], vocab: set[int] | None, k: int, *, stopp
     return steps, accepted
 
 
+def oracle_counts(traces: Sequence[RequestTrace], vocab: set[int] | None, k: int) -> tuple[int, int]:
+    """`oracle_steps` summed over the greedy `traces`, each replayed as it was logged."""
+    steps = accepted = 0
+    for t in traces:
+        if t.greedy and t.output_ids:
+            s, a = oracle_steps(t.output_ids, vocab, k, stopped=t.finish_reason == "stop",
+                                max_new_tokens=t.max_new_tokens)
+            steps, accepted = steps + s, accepted + a
+    return steps, accepted
+
+
 def coverage_row(traces: Sequence[RequestTrace], vocab: set[int] | None, k: int) -> tuple[float, float]:
     """(token coverage, oracle mean acceptance length) over the greedy `traces`."""
     greedy = [t for t in traces if t.greedy and t.output_ids]
     tokens = sum(len(t.output_ids) for t in greedy)
     inside = tokens if vocab is None else sum(tok in vocab for t in greedy for tok in t.output_ids)
-    steps = accepted = 0
-    for t in greedy:
-        s, a = oracle_steps(t.output_ids, vocab, k, stopped=t.finish_reason == "stop",
-                            max_new_tokens=t.max_new_tokens)
-        steps, accepted = steps + s, accepted + a
+    steps, accepted = oracle_counts(greedy, vocab, k)
     return inside / max(tokens, 1), 1.0 + accepted / max(steps, 1)
 
 
@@ -94,11 +87,13 @@ def main() -> None:
         raise SystemExit(f"--sizes: comma-separated integers, got {args.sizes!r}") from None
     if not sizes or args.k < 1:
         raise SystemExit("give at least one --sizes entry and --k >= 1")
+    if not Path(args.data).is_file():
+        raise SystemExit(f"--data {args.data}: no such file (make one with bench.eagle_data_scaling --data-only)")
     data = read_data(Path(args.data))
     tags = [s.strip() for s in args.train.split(",") if s.strip()]
-    missing = [t for t in tags + list(HELD_OUT) if t not in data]
+    missing = [t for t in tags + list(HELD_OUT) if not data.get(t)]
     if missing:
-        raise SystemExit(f"{args.data} has no traces tagged {missing} (it has {sorted(data)})")
+        raise SystemExit(f"{args.data} has no traces tagged {missing} (it has {sorted(t for t in data if data[t])})")
     target = load_model(args.target)
     train = [t.output_ids for tag in tags for t in data[tag]]
     print(f"training set: {', '.join(f'{t} {len(data[t])}' for t in tags)} traces, "

@@ -42,6 +42,7 @@ from runtime.loader import DTYPES, load_model, resolve_device
 from runtime.trace import RequestTrace
 
 DATA_KEYS = ("target", "pool", "heldout", "sampled", "temperature", "max_new_tokens", "unlike")
+DATA_TAGS = ("pool", "magpie", "heldout", "bench", "unlike")  # the sets of a data file
 
 
 def main() -> None:
@@ -163,8 +164,16 @@ def main() -> None:
         print(f"| {short} | {len(t.output_ids)} | {cells} |")
 
 
+def read_data(path: Path) -> dict[str, list[RequestTrace]]:
+    """The answers of a data file this bench wrote (`make_data`), by set (`DATA_TAGS`)."""
+    with gzip.open(path, "rt") as f:
+        f.readline()  # the key it was made with
+        traces = [trace_from_json(line) for line in f]
+    return {tag: [t for t in traces if t.tag == tag] for tag in DATA_TAGS}
+
+
 def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = False) -> dict[str, list[RequestTrace]]:
-    """The answers by set ("pool", "magpie", "heldout", "bench", "unlike"), from `path` when it was
+    """The answers by set (`DATA_TAGS`), from `path` when it was
     made with the same settings and at least `magpie` written prompts, else made and written there.
     `made_elsewhere`: `path` must hold them (its target may carry another name), else SystemExit."""
     key = {k: getattr(args, k) for k in DATA_KEYS}
@@ -184,11 +193,9 @@ def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = F
     if path.is_file():
         with gzip.open(path, "rt") as f:
             head = json.loads(f.readline())
-            if head["key"] == key and head["magpie"] >= magpie:
-                traces = [trace_from_json(line) for line in f]
-                print(f"answers from {path}", flush=True)
-                return {tag: [t for t in traces if t.tag == tag] for tag in ("pool", "magpie", "heldout", "bench",
-                                                                               "unlike")}
+        if head["key"] == key and head["magpie"] >= magpie:
+            print(f"answers from {path}", flush=True)
+            return read_data(path)
     t0 = time.perf_counter()
 
     def done(what: str) -> Callable[[int], None]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.draft_vocab_coverage import coverage_row, oracle_steps
+from bench.draft_vocab_coverage import coverage_row, oracle_counts, oracle_steps
 from online.replay.engine import replay_traces
 from runtime.drafters.base import Draft, DraftRow, RowwiseDrafter
 from runtime.engine import DraftLengthConfig
@@ -59,12 +59,7 @@ def test_the_oracle_counts_as_the_replay_engine(vocab, k):
     logged = traces(12, seed=k)
     drafter = WithinVocab({t.request_id: t.output_ids for t in logged}, vocab)
     report = replay_traces(logged, drafter, length=DraftLengthConfig(k=k), vocab_size=1000)
-    steps = accepted = 0
-    for t in logged:
-        s, a = oracle_steps(t.output_ids, vocab, k, stopped=t.finish_reason == "stop",
-                            max_new_tokens=t.max_new_tokens)
-        steps, accepted = steps + s, accepted + a
-    assert (report.stats.steps, report.stats.accepted) == (steps, accepted)
+    assert (report.stats.steps, report.stats.accepted) == oracle_counts(logged, vocab, k)
     coverage, cap = coverage_row(logged, vocab, k)
     assert cap == pytest.approx(report.stats.mean_acceptance_length)
     tokens = [x for t in logged for x in t.output_ids]
