@@ -55,6 +55,10 @@ def main() -> None:
     ap.add_argument("--magpie", default="1000,2000,4000", help="comma-separated counts of target-written prompts")
     ap.add_argument("--heldout", type=int, default=50, help="held-out general-pool prompts")
     ap.add_argument("--unlike", default="bench/prompts/unlike-40.jsonl", help="held-out prompts in no pool")
+    ap.add_argument("--magpie-topics", default="",
+                    help="a file of topics, one a line (# comments): the written prompts take them in turn, each "
+                         "written after a system turn naming its topic (per-domain Magpie seeds; "
+                         "bench/prompts/topics-dewey.txt: the Dewey Decimal divisions); default: unseeded")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--answer-batch", type=int, default=16, help="requests the target answers at a time")
     ap.add_argument("--answer-dtype", choices=tuple(DTYPES), default="float32",
@@ -164,6 +168,18 @@ def main() -> None:
         print(f"| {short} | {len(t.output_ids)} | {cells} |")
 
 
+def read_topics(path: str) -> list[str]:
+    """The topics of a `--magpie-topics` file: its non-blank lines, `#` comments left out, each once."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"--magpie-topics {path}: {e.strerror or e}") from None
+    topics = list(dict.fromkeys(s for line in lines if (s := line.strip()) and not s.startswith("#")))
+    if not topics:
+        raise SystemExit(f"--magpie-topics {path}: no topics in it (one a line)")
+    return topics
+
+
 def read_data(path: Path) -> dict[str, list[RequestTrace]]:
     """The answers of a data file this bench wrote (`make_data`), by set (`DATA_TAGS`)."""
     with gzip.open(path, "rt") as f:
@@ -179,6 +195,9 @@ def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = F
     key = {k: getattr(args, k) for k in DATA_KEYS}
     if getattr(args, "answer_dtype", "float32") != "float32":  # keyed only where not the default: old files stay valid
         key["answer_dtype"] = args.answer_dtype
+    topics = read_topics(args.magpie_topics) if getattr(args, "magpie_topics", "") else []
+    if topics:
+        key["magpie_topics"] = topics
     if made_elsewhere:
         if not path.is_file():
             raise SystemExit(f"--data {path}: no such file")
@@ -213,7 +232,7 @@ def make_data(target, args, magpie: int, path: Path, *, made_elsewhere: bool = F
     held = set(pool) | set(PROMPTS) | set(unlike)
     writer = target if args.answer_dtype == "float32" else load_model(args.target, dtype=DTYPES[args.answer_dtype],
                                                                       device=str(target.model.device))
-    written = [p for p in synthesize_prompts(writer, magpie + 64, seed=11, batch=args.answer_batch,
+    written = [p for p in synthesize_prompts(writer, magpie + 64, seed=11, batch=args.answer_batch, topics=topics,
                                              progress=done("prompts written"))
                if p not in held][:magpie] if magpie else []
     if len(written) < magpie:

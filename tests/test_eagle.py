@@ -440,6 +440,33 @@ def test_synthesized_prompts_are_the_chat_targets_own_user_turns(smollm2):
     assert opened[0].startswith("Write a Python function that") and len(opened[0]) >= 28 + 12
 
 
+def test_topic_seeds_take_turns_across_rows_and_rounds_behind_a_system_turn_naming_them(smollm2, monkeypatch):
+    """Per-domain Magpie seeds: row j of the sampling continues the prefix of topic j mod T, the
+    turn carried into the next round; the default system turn gives way to the topic's, and no
+    system text enters the kept prompts."""
+    import online.trainer.warmstart as ws
+
+    tok = smollm2.tokenizer
+    topics = ["astronomy", "the history of Africa", "music"]
+    prefixes = {tuple(ws.user_turn_prefix(tok, ws.TOPIC_SYSTEM.format(topic=t))): t for t in topics}
+    for p, t in prefixes.items():
+        text = tok.decode(list(p))
+        assert text.endswith("<|im_start|>user\n") and f"expert in {t}." in text and "SmolLM" not in text
+    rows: list[list[str]] = []
+    real = ws.answer_chunks
+
+    def seen(target, prompts, *args, **kwargs):
+        rows.append([prefixes[tuple(p)] for p in prompts])
+        yield from real(target, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(ws, "answer_chunks", seen)
+    got = ws.synthesize_prompts(smollm2, 4, max_prompt_tokens=48, seed=3, batch=2, topics=topics)
+    assert len(got) == len(set(got)) == 4 and not any("expert in" in p or "<|im_" in p for p in got)
+    flat = [t for r in rows for t in r]
+    assert flat == [topics[j % 3] for j in range(len(flat))]  # in turn, carried across rounds
+    assert rows[0] == ["astronomy", "the history of Africa", "music", "astronomy"]
+
+
 def test_synthesizing_reports_progress_as_each_chunk_is_kept(smollm2, monkeypatch):
     """A round of thousands of turns is not silent until it ends: progress comes per chunk of four
     batches, and chunking keeps the same prompts as one pass over the round would."""

@@ -454,6 +454,27 @@ def test_the_scaling_bench_reads_answers_made_elsewhere_only_with_the_same_setti
         make_data(None, args, 2, bf16, made_elsewhere=True)
     bf16_args = argparse.Namespace(**{**vars(args), "answer_dtype": "bfloat16"})
     assert len(make_data(None, bf16_args, 2, bf16, made_elsewhere=True)["magpie"]) == 3
+    # prompts written after topic seeds are other prompts: keyed by their topics, a file without them is not theirs
+    topics = tmp_path / "topics.txt"
+    topics.write_text("# a comment\nastronomy\n\n  music  \nastronomy\n")
+    with pytest.raises(SystemExit, match="same settings"):
+        make_data(None, argparse.Namespace(**{**vars(args), "magpie_topics": str(topics)}), 2, path,
+                  made_elsewhere=True)
+
+
+def test_magpie_topics_are_a_files_distinct_lines_and_a_bad_file_says_so(tmp_path):
+    from bench.eagle_data_scaling import read_topics
+
+    f = tmp_path / "topics.txt"
+    f.write_text("# the seeds\nastronomy\n\n  the history of Africa \nastronomy\nmusic\n")
+    assert read_topics(str(f)) == ["astronomy", "the history of Africa", "music"]
+    f.write_text("# only a comment\n\n")
+    with pytest.raises(SystemExit, match="no topics"):
+        read_topics(str(f))
+    with pytest.raises(SystemExit, match="No such file"):
+        read_topics(str(tmp_path / "none.txt"))
+    shipped = read_topics("bench/prompts/topics-dewey.txt")
+    assert len(shipped) == 94 and "astronomy" in shipped
 
 
 def test_a_warm_start_variant_names_trainer_settings_typed_as_their_defaults():

@@ -101,14 +101,20 @@ def answered_traces(target: LoadedModel, prompts: Sequence[list[int]], max_new_t
 _MARKER = "\u2063LIVEDRAFT_USER_TURN\u2063"
 
 
-def user_turn_prefix(tokenizer: object) -> list[int]:
+# the system turn of a topic-seeded written prompt: of three wordings tried on SmolLM2-135M (16 prompts over four
+# topics each), the one whose prompts most often kept to their topic
+TOPIC_SYSTEM = "You are an expert in {topic}. Users ask you questions about {topic}."
+
+
+def user_turn_prefix(tokenizer: object, system: str = "") -> list[int]:
     """The chat template's tokens up to where a user's message begins (its system turn, if the
-    template adds one by default, included): what `synthesize_prompts` continues from."""
+    template adds one by default, included; `system`, when given, is the system turn instead):
+    what `synthesize_prompts` continues from."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise LivedraftError("the target's tokenizer has no chat template: prompts cannot be synthesized from it")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False,
-                                         add_generation_prompt=True)
+    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _MARKER}]
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     if _MARKER not in text:
         raise LivedraftError("the target's chat template does not echo the user's message: cannot find where a "
                              "user turn begins")
@@ -117,7 +123,7 @@ def user_turn_prefix(tokenizer: object) -> list[int]:
 
 def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 96, temperature: float = 1.0,
                        seed: int = 0, batch: int = 16, min_chars: int = 12, opener: str = "",
-                       progress: Callable[[int], None] | None = None) -> list[str]:
+                       topics: Sequence[str] = (), progress: Callable[[int], None] | None = None) -> list[str]:
     """`n` distinct user prompts written by the instruct target itself (Magpie, Xu et al. 2024):
     the chat template up to the start of a user turn, sampled at `temperature` until the turn
     ends. A model's own user turns follow the distribution its instruction tuning saw, so a head
@@ -126,18 +132,27 @@ def synthesize_prompts(target: LoadedModel, n: int, *, max_prompt_tokens: int = 
     seeded rounds, until `n` are kept (a round samples what is missing, at least a batch; at most 8
     rounds, else a LivedraftError). An `opener`
     ("Write a Python function that") starts every turn: the target writes the rest, so prompts
-    stay in one domain and still do not follow a template. `progress(m)` as each chunk of four
+    stay in one domain and still do not follow a template. `topics` (per-domain seeds, as Magpie's
+    system prompts): the sampled turns take them in turn, each after a system turn that names its
+    topic (`TOPIC_SYSTEM`), so the prompts spread over subjects a small model's unseeded turns
+    rarely reach; the system turn is not part of the prompt kept. `progress(m)` as each chunk of four
     batches adds m kept prompts (a round of thousands is not silent until it ends)."""
     if n <= 0:
         return []
     tok = target.tokenizer
     if tok is None:
         raise LivedraftError(f"target {target.model_id} has no tokenizer: prompts cannot be synthesized")
-    prefix = user_turn_prefix(tok) + (list(tok(opener, add_special_tokens=False).input_ids) if opener else [])
+    opened = list(tok(opener, add_special_tokens=False).input_ids) if opener else []
+    prefixes = [user_turn_prefix(tok, TOPIC_SYSTEM.format(topic=t)) + opened for t in topics] \
+        or [user_turn_prefix(tok) + opened]
     kept: dict[str, None] = {}
+    turn = 0  # the next row's topic, across rounds
     for rnd in range(8):
         # at least a batch: the last few missing cost one batched pass either way, and a narrow opener repeats
-        for traces in answer_chunks(target, [prefix] * max(n - len(kept), batch), max_prompt_tokens, batch=batch,
+        rows = max(n - len(kept), batch)
+        starts = [prefixes[(turn + j) % len(prefixes)] for j in range(rows)]
+        turn += rows
+        for traces in answer_chunks(target, starts, max_prompt_tokens, batch=batch,
                                     temperature=temperature, seed=seed + rnd * 1_000_003):
             before = len(kept)
             for t in traces:
