@@ -15,6 +15,7 @@ process of its own with that checkout first on the import path, alternating A, B
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -41,6 +42,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trees", default="", help="A,B: checkouts whose trainers are compared (default: this one only)")
     ap.add_argument("--rounds", type=int, default=2, help="with --trees: measurements of each, alternating")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the step's parts (soft labels, the unrolled layer, the draft loss, backward, "
+                         "optimizer): mean ms a timed step, in the JSON line")
     args = ap.parse_args()
     if not Path(args.data).is_file():
         raise SystemExit(f"--data {args.data}: no such file (bench/eagle_data_scaling.py --data-only writes one)")
@@ -112,15 +116,69 @@ def measure(args: argparse.Namespace) -> dict:
     examples = make_examples(traces, passes, cfg)
     embed, lm = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     ends = [time.perf_counter()]
+    phases = Phases(args.warmup) if args.phases else None
 
     def on_step(step: int, loss: float) -> None:
         ends.append(time.perf_counter())
+        if phases is not None:
+            phases.step_done()
 
-    train_head(head, examples, embed, lm, cfg, on_step=on_step)
+    with phases.timing() if phases is not None else contextlib.nullcontext():
+        train_head(head, examples, embed, lm, cfg, on_step=on_step)
     times = [b - a for a, b in zip(ends, ends[1:], strict=False)][args.warmup :]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"median_s": round(statistics.median(times), 4), "min_s": round(min(times), 4), "steps": len(times),
-            "traces": len(traces), "machine": cpu(), "torch": torch.__version__, "commit": commit or "?"}
+    out = {"median_s": round(statistics.median(times), 4), "min_s": round(min(times), 4), "steps": len(times),
+           "traces": len(traces), "machine": cpu(), "torch": torch.__version__, "commit": commit or "?"}
+    if phases is not None:
+        out["phases_ms"] = {**phases.means(len(times)), "step": round(statistics.fmean(times) * 1000, 1)}
+    return out
+
+
+class Phases:
+    """Wall time of the trainer step's parts, summed over the steps after `warmup`: the soft labels,
+    the unrolled layer's forward (TTTLoss._step), the draft loss's forward and backward
+    (DraftLoss), the whole forward (TTTLoss), the optimizer step, and the rest of the step
+    (backward but the draft loss's, zero_grad, clipping). Wrappers only: the timed code is the trainer's."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.steps, self.sums = warmup, 0, {}
+
+    def _wrap(self, name: str, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.steps >= self.warmup:
+                    self.sums[name] = self.sums.get(name, 0.0) + time.perf_counter() - t
+        return timed
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def timing(self):
+        import torch
+
+        from online.trainer import eagle
+
+        saved = (eagle.soft_labels, eagle.TTTLoss._step, eagle.TTTLoss.__call__, eagle.DraftLoss.forward,
+                 eagle.DraftLoss.backward, torch.optim.AdamW.step)
+        eagle.soft_labels = self._wrap("soft_labels", saved[0])
+        eagle.TTTLoss._step = self._wrap("layer_forward", saved[1])
+        eagle.TTTLoss.__call__ = self._wrap("forward", saved[2])
+        eagle.DraftLoss.forward = staticmethod(self._wrap("draft_loss_forward", saved[3]))
+        eagle.DraftLoss.backward = staticmethod(self._wrap("draft_loss_backward", saved[4]))
+        torch.optim.AdamW.step = self._wrap("optimizer", saved[5])
+        try:
+            yield self
+        finally:
+            (eagle.soft_labels, eagle.TTTLoss._step, eagle.TTTLoss.__call__, forward, backward,
+             torch.optim.AdamW.step) = saved
+            eagle.DraftLoss.forward, eagle.DraftLoss.backward = staticmethod(forward), staticmethod(backward)
+
+    def means(self, steps: int) -> dict[str, float]:
+        return {k: round(v / max(steps, 1) * 1000, 1) for k, v in self.sums.items()}
 
 
 if __name__ == "__main__":
