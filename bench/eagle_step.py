@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import inspect
 import json
 import os
 import random
@@ -156,26 +157,36 @@ class Phases:
     def step_done(self) -> None:
         self.steps += 1
 
-    @contextlib.contextmanager
-    def timing(self):
+    @staticmethod
+    def parts() -> list[tuple[object, str, str]]:
+        """(owner, attribute, part name) of each timed function."""
         import torch
 
         from online.trainer import eagle
 
-        saved = (eagle.soft_labels, eagle.TTTLoss._step, eagle.TTTLoss.__call__, eagle.DraftLoss.forward,
-                 eagle.DraftLoss.backward, torch.optim.AdamW.step)
-        eagle.soft_labels = self._wrap("soft_labels", saved[0])
-        eagle.TTTLoss._step = self._wrap("layer_forward", saved[1])
-        eagle.TTTLoss.__call__ = self._wrap("forward", saved[2])
-        eagle.DraftLoss.forward = staticmethod(self._wrap("draft_loss_forward", saved[3]))
-        eagle.DraftLoss.backward = staticmethod(self._wrap("draft_loss_backward", saved[4]))
-        torch.optim.AdamW.step = self._wrap("optimizer", saved[5])
+        return [(eagle, "soft_labels", "soft_labels"), (eagle.TTTLoss, "_step", "layer_forward"),
+                (eagle.TTTLoss, "__call__", "forward"), (eagle.DraftLoss, "forward", "draft_loss_forward"),
+                (eagle.DraftLoss, "backward", "draft_loss_backward"), (torch.optim.AdamW, "step", "optimizer")]
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Each part wrapped while inside; after, each owner's own attributes as they were (a
+        staticmethod as one; an inherited one, such as AdamW's step, inherited again)."""
+        saved = [(owner, attr, vars(owner).get(attr)) for owner, attr, _ in self.parts()]
+        for owner, attr, name in self.parts():
+            raw = inspect.getattr_static(owner, attr)
+            if isinstance(raw, staticmethod):
+                setattr(owner, attr, staticmethod(self._wrap(name, raw.__func__)))
+            else:
+                setattr(owner, attr, self._wrap(name, raw))
         try:
             yield self
         finally:
-            (eagle.soft_labels, eagle.TTTLoss._step, eagle.TTTLoss.__call__, forward, backward,
-             torch.optim.AdamW.step) = saved
-            eagle.DraftLoss.forward, eagle.DraftLoss.backward = staticmethod(forward), staticmethod(backward)
+            for owner, attr, raw in saved:
+                if raw is None:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, raw)
 
     def means(self, steps: int) -> dict[str, float]:
         return {k: round(v / max(steps, 1) * 1000, 1) for k, v in self.sums.items()}
