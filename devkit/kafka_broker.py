@@ -37,10 +37,18 @@ def holds_listener(pid: int, port: int) -> bool | None:
                 fields = line.split()
                 if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                     inodes.add(f"socket:[{fields[9]}]")
-        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        fds = os.listdir(f"/proc/{pid}/fd")
     except (OSError, IndexError, ValueError):
         return None
-    return any(link in inodes for link in links)
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except FileNotFoundError:  # closed since the listing (a starting broker opens and closes many)
+            continue
+        except OSError:
+            return None
+    return False
 
 
 def tansu_binary() -> Path:

@@ -416,6 +416,37 @@ def test_a_broker_whose_chosen_port_was_taken_starts_on_another(monkeypatch):
             broker.stop()
 
 
+def test_holds_listener_tells_whose_listener_a_port_is_though_fds_close_meanwhile(monkeypatch):
+    """The broker start's check that the listener on its port is tansu's: this process's listening
+    socket is found (True), a port it does not listen on is not (False), and an fd closed between
+    the listing and its readlink is passed over, not read as "cannot tell" (None: the start then
+    took another process's listener for tansu's)."""
+    import os
+    import socket
+    import sys
+
+    import devkit.kafka_broker as kb
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("holds_listener reads Linux's /proc")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert kb.holds_listener(os.getpid(), port) is True
+        assert kb.holds_listener(os.getpid(), kb.free_port()) is False
+        readlink, gone = os.readlink, []
+
+        def closing(path: str) -> str:  # the first fd read has closed since the listing
+            if not gone:
+                gone.append(path)
+                raise FileNotFoundError(path)
+            return readlink(path)
+
+        monkeypatch.setattr(kb.os, "readlink", closing)
+        assert kb.holds_listener(os.getpid(), port) is True and gone
+
+
 def test_kafka_source_without_a_broker_is_a_clear_error():
     from devkit.kafka_broker import free_port
     from online.stream.kafka import KafkaSource, StreamUnavailableError
