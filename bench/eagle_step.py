@@ -172,8 +172,9 @@ class Phases:
     def timing(self):
         """Each part wrapped while inside; after, each owner's own attributes as they were (a
         staticmethod as one; an inherited one, such as AdamW's step, inherited again)."""
-        saved = [(owner, attr, vars(owner).get(attr)) for owner, attr, _ in self.parts()]
-        for owner, attr, name in self.parts():
+        parts = self.parts()
+        saved = [(owner, attr, vars(owner).get(attr)) for owner, attr, _ in parts]
+        for owner, attr, name in parts:
             raw = inspect.getattr_static(owner, attr)
             if isinstance(raw, staticmethod):
                 setattr(owner, attr, staticmethod(self._wrap(name, raw.__func__)))
